@@ -1,0 +1,225 @@
+"""The self-describing block: what every tier stores under a chunk key.
+
+::
+
+    offset  size  field
+    ------  ----  -----------------------------------------------------------
+         0     4  magic b"KVB1"
+         4     2  format version (1)
+         6     1  codec (Codec)
+         7     1  dtype code (DTYPE_CODES)
+         8    16  namespace digest
+        24    16  chunk key                    } a block copied under the wrong
+        40    16  parent chunk key (0 = root)  } key or namespace is detected
+        56    16  num_layers, num_kv_heads, head_dim, chunk_tokens (u32 each)
+        72     8  raw_len: payload bytes before the codec
+        80     8  payload_len: stored payload bytes
+        88     8  checksum: xxh3-64 over header bytes [0, 88) then the payload
+        96    32  reserved (zero)
+       128     -  payload (payload_len bytes; 128 keeps it cache-line aligned)
+
+The checksum covers the header as well as the payload, so a flipped bit in a
+length, a layout field or the key is caught like a flipped bit in the KV.
+Blocks are verified whenever they cross a trust boundary (a read from LMDB,
+Redis or the network; a block entering the DRAM or HBM arena from below); a
+block that fails is never returned (``CorruptBlock``).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.errors import CorruptBlock, LayoutMismatch
+from kvstore.keys import KEY_BYTES, ChunkKey, KVLayout, Namespace
+
+MAGIC = b"KVB1"
+FORMAT_VERSION = 1
+HEADER_BYTES = 128
+_HEADER = struct.Struct("<4sHBB16s16s16sIIIIQQQ")
+_CHECKSUM_OFFSET = 88
+assert _HEADER.size == _CHECKSUM_OFFSET + 8
+
+DTYPE_CODES: dict[str, int] = {
+    "float32": 1,
+    "float16": 2,
+    "bfloat16": 3,
+    "float8_e4m3fn": 4,
+    "float8_e5m2": 5,
+    "int8": 6,
+    "uint8": 7,
+}
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
+class Codec(enum.IntEnum):
+    """How the payload is stored. Chosen per tier (``kvstore.codec``)."""
+
+    NONE = 0
+    ZSTD = 1
+    ZSTD_BYTEPLANE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """The parsed, verified header of a stored block."""
+
+    codec: Codec
+    dtype: str
+    namespace_digest: bytes
+    key: ChunkKey
+    parent: ChunkKey | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    chunk_tokens: int
+    raw_len: int
+    payload_len: int
+
+    def matches(self, layout: KVLayout) -> bool:
+        return (
+            self.dtype == layout.dtype
+            and self.num_layers == layout.num_layers
+            and self.num_kv_heads == layout.num_kv_heads
+            and self.head_dim == layout.head_dim
+            and self.chunk_tokens == layout.chunk_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A block ready to store: the header and the payload, kept as two buffers.
+
+    Tiers that copy into their own memory (DRAM, HBM) write the two parts
+    without first joining them; tiers that need one value (LMDB, Redis) call
+    ``to_bytes``.
+    """
+
+    header: bytes
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+    def to_bytes(self) -> bytes:
+        return b"".join((self.header, self.payload))
+
+
+def encode_block(
+    namespace: Namespace,
+    key: ChunkKey,
+    parent: ChunkKey | None,
+    payload: memoryview,
+    *,
+    codec: Codec = Codec.NONE,
+    raw_len: int | None = None,
+) -> Block:
+    """Frame an (already codec-encoded) payload with its header and checksum."""
+    layout = namespace.layout
+    payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
+    fields = (
+        MAGIC,
+        FORMAT_VERSION,
+        int(codec),
+        DTYPE_CODES[layout.dtype],
+        namespace.digest,
+        key,
+        parent if parent is not None else bytes(KEY_BYTES),
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.chunk_tokens,
+        payload.nbytes if raw_len is None else raw_len,
+        payload.nbytes,
+        0,
+    )
+    prefix = _HEADER.pack(*fields)[:_CHECKSUM_OFFSET]
+    hasher = xxhash.xxh3_64(prefix)
+    hasher.update(payload)
+    header = prefix + hasher.intdigest().to_bytes(8, "little") + bytes(HEADER_BYTES - _HEADER.size)
+    return Block(header=header, payload=payload)
+
+
+def parse_header(data: memoryview | bytes) -> BlockHeader:
+    """Parse the header fields without verifying the checksum (structure only)."""
+    if len(data) < HEADER_BYTES:
+        raise CorruptBlock(f"block of {len(data)} bytes is shorter than its header")
+    (
+        magic,
+        version,
+        codec,
+        dtype_code,
+        ns_digest,
+        key,
+        parent,
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        chunk_tokens,
+        raw_len,
+        payload_len,
+        _checksum,
+    ) = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise CorruptBlock(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptBlock(f"unsupported block format version {version}")
+    if dtype_code not in _DTYPE_NAMES:
+        raise CorruptBlock(f"unknown dtype code {dtype_code}")
+    try:
+        codec_value = Codec(codec)
+    except ValueError:
+        raise CorruptBlock(f"unknown codec {codec}") from None
+    return BlockHeader(
+        codec=codec_value,
+        dtype=_DTYPE_NAMES[dtype_code],
+        namespace_digest=ns_digest,
+        key=ChunkKey(key),
+        parent=None if parent == bytes(KEY_BYTES) else ChunkKey(parent),
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        chunk_tokens=chunk_tokens,
+        raw_len=raw_len,
+        payload_len=payload_len,
+    )
+
+
+def verify_block(data: memoryview | bytes, *, check_payload: bool = True) -> BlockHeader:
+    """Parse and verify a stored block: structure, length and (optionally) checksum.
+
+    ``check_payload=False`` is for blocks read from memory the store owns and
+    verified on the way in (the DRAM and HBM arenas).
+    """
+    view = memoryview(data)
+    header = parse_header(view)
+    if view.nbytes != HEADER_BYTES + header.payload_len:
+        raise CorruptBlock(
+            f"block is {view.nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
+        )
+    if check_payload:
+        hasher = xxhash.xxh3_64(view[:_CHECKSUM_OFFSET])
+        hasher.update(view[HEADER_BYTES:])
+        stored = int.from_bytes(view[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8], "little")
+        if hasher.intdigest() != stored:
+            raise CorruptBlock(f"checksum mismatch for block {header.key.hex()}")
+    return header
+
+
+def check_identity(header: BlockHeader, namespace: Namespace, key: ChunkKey) -> None:
+    """Refuse a block stored under another key, namespace or layout than asked for."""
+    if header.key != key:
+        raise CorruptBlock(f"block under {key.hex()} carries key {header.key.hex()}")
+    if header.namespace_digest != namespace.digest:
+        raise CorruptBlock(f"block {key.hex()} belongs to another namespace")
+    if not header.matches(namespace.layout):
+        raise LayoutMismatch(f"block {key.hex()} has a layout other than its namespace's")
+
+
+def payload_view(data: memoryview | bytes) -> memoryview:
+    """The payload bytes of a stored block (no copy)."""
+    return memoryview(data)[HEADER_BYTES:]

@@ -1,0 +1,63 @@
+"""The one exception tree of kvstore.
+
+Every error the store raises on purpose is a ``KVStoreError``; backend
+exceptions (``lmdb.Error``, ``redis.RedisError``, CUDA errors) are translated at
+the boundary of the tier that talks to that backend, so callers never catch a
+backend type::
+
+    KVStoreError
+     +-- ConfigError            the configuration cannot be used as written
+     +-- UnknownNamespace       a request names a namespace the store was not given
+     +-- LayoutMismatch         data whose shape, dtype or layout is not the namespace's
+     +-- RequestTooLarge        a request over a configured bound (batch, bytes)
+     +-- CorruptBlock           a stored block failed its checksum or header checks
+     +-- TierError              a tier could not do what was asked
+          +-- TierUnavailable   the backend is down or answered too slowly
+          +-- TierFull          no room even after eviction
+
+``CorruptBlock`` and ``TierError`` rarely reach a caller of ``TieredStore``:
+the store turns both into misses (and counts them), because a miss costs a
+recompute while a wrong block silently corrupts a generation.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+
+class ConfigError(KVStoreError):
+    """The configuration is invalid (unknown tier, bad size, bad TOML)."""
+
+
+class UnknownNamespace(KVStoreError):
+    """A request refers to a namespace digest the store does not know."""
+
+
+class LayoutMismatch(KVStoreError):
+    """A chunk's dtype, shape or byte size does not match its namespace."""
+
+
+class RequestTooLarge(KVStoreError):
+    """A request exceeds a configured bound (chunks per batch, bytes per chunk)."""
+
+
+class CorruptBlock(KVStoreError):
+    """A stored block failed verification: magic, length, checksum, key or namespace."""
+
+
+class TierError(KVStoreError):
+    """A tier failed an operation; ``tier`` names which."""
+
+    def __init__(self, tier: str, message: str) -> None:
+        super().__init__(f"{tier}: {message}")
+        self.tier = tier
+
+
+class TierUnavailable(TierError):
+    """The tier's backend is unreachable or timed out."""
+
+
+class TierFull(TierError):
+    """The tier cannot hold the block even after evicting everything evictable."""

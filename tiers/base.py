@@ -1,0 +1,89 @@
+"""The one protocol every tier implements, and the tier kinds in hierarchy order.
+
+A tier is a dumb, batched byte store for encoded blocks (``kvstore.block``):
+it neither chooses what to evict nor knows about prefixes; that is the
+``TieredStore``'s job. Every method is batched so a prefix of hundreds of
+chunks costs one round trip, not hundreds.
+
+Contract, for every implementation:
+
+* ``put_many`` stores complete blocks only: a reader never sees a partly
+  written value (two-phase for arenas: copy, then publish; one transaction
+  for LMDB; one ``SET`` per key for Redis). It raises ``TierFull`` when the
+  backend refuses for lack of room, so the store can evict and retry.
+* ``get_many`` returns *owned* buffers (valid after the call returns) or
+  ``None`` for a miss. It never returns a value it cannot vouch for the
+  length of; checksum verification is the store's job and ``verifies_reads``
+  tells the store whether this tier's reads cross a trust boundary.
+* Backend exceptions are translated here, at the tier's boundary, into
+  ``TierUnavailable`` / ``TierFull`` (``kvstore.errors``).
+* Every method takes the 16-byte namespace digest, so tiers that share a
+  backend across processes can scope keys by namespace.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvstore.block import Block
+from kvstore.keys import ChunkKey
+
+Buffer = bytes | bytearray | memoryview
+
+
+class TierKind(enum.IntEnum):
+    """Tier kinds; the value is the position in the hierarchy, 0 = fastest."""
+
+    HBM = 0
+    DRAM = 1
+    SSD = 2
+    REDIS = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlockInfo:
+    """What a persistent tier reports about a block it holds, for index rebuilds."""
+
+    namespace: bytes
+    key: ChunkKey
+    nbytes: int
+    header: bytes
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A batched block store at one level of the hierarchy."""
+
+    kind: TierKind
+    verifies_reads: bool
+
+    def put_many(self, namespace: bytes, items: Sequence[tuple[ChunkKey, Block]]) -> None:
+        """Store every block; raise ``TierFull`` if the backend has no room."""
+
+    def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        """The stored bytes (header + payload) of each key, or ``None`` if absent."""
+
+    def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key is stored, without reading its value."""
+
+    def delete_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> int:
+        """Delete the keys present; return how many were deleted."""
+
+    def scan(self) -> Iterator[StoredBlockInfo]:
+        """Every block the tier holds (for rebuilding the index after a restart)."""
+
+    def used_bytes(self) -> int:
+        """Bytes of stored blocks, as the tier accounts them."""
+
+    def capacity_bytes(self) -> int:
+        """Bytes the tier may hold; the store evicts to stay under it."""
+
+    def close(self) -> None:
+        """Release the backend (idempotent)."""
