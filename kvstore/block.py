@@ -120,28 +120,58 @@ def encode_block(
 ) -> Block:
     """Frame an (already codec-encoded) payload with its header and checksum."""
     layout = namespace.layout
-    payload = payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
-    fields = (
+    return frame_block(
+        BlockHeader(
+            codec=codec,
+            dtype=layout.dtype,
+            namespace_digest=namespace.digest,
+            key=key,
+            parent=parent,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            chunk_tokens=layout.chunk_tokens,
+            raw_len=payload.nbytes if raw_len is None else raw_len,
+            payload_len=payload.nbytes,
+        ),
+        payload,
+    )
+
+
+def frame_block(header: BlockHeader, payload: memoryview) -> Block:
+    """Frame ``payload`` under ``header``'s identity; ``payload_len`` is taken from the payload.
+
+    Used to re-frame a block whose codec changes between tiers without needing
+    its ``Namespace`` object (the header carries everything).
+    """
+    if payload.format != "B" or payload.ndim != 1:
+        payload = payload.cast("B")
+    prefix = _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
-        int(codec),
-        DTYPE_CODES[layout.dtype],
-        namespace.digest,
-        key,
-        parent if parent is not None else bytes(KEY_BYTES),
-        layout.num_layers,
-        layout.num_kv_heads,
-        layout.head_dim,
-        layout.chunk_tokens,
-        payload.nbytes if raw_len is None else raw_len,
+        int(header.codec),
+        DTYPE_CODES[header.dtype],
+        header.namespace_digest,
+        header.key,
+        header.parent if header.parent is not None else bytes(KEY_BYTES),
+        header.num_layers,
+        header.num_kv_heads,
+        header.head_dim,
+        header.chunk_tokens,
+        header.raw_len,
         payload.nbytes,
         0,
-    )
-    prefix = _HEADER.pack(*fields)[:_CHECKSUM_OFFSET]
+    )[:_CHECKSUM_OFFSET]
     hasher = xxhash.xxh3_64(prefix)
     hasher.update(payload)
-    header = prefix + hasher.intdigest().to_bytes(8, "little") + bytes(HEADER_BYTES - _HEADER.size)
-    return Block(header=header, payload=payload)
+    checksum = hasher.intdigest().to_bytes(8, "little")
+    return Block(header=prefix + checksum + bytes(HEADER_BYTES - _HEADER.size), payload=payload)
+
+
+def stored_block(data: memoryview | bytes | bytearray) -> Block:
+    """A block as read from a tier, split back into header and payload (no copy)."""
+    view = memoryview(data)
+    return Block(header=bytes(view[:HEADER_BYTES]), payload=view[HEADER_BYTES:])
 
 
 def parse_header(data: memoryview | bytes) -> BlockHeader:

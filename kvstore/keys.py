@@ -86,7 +86,9 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
+            raise ConfigError(
+                f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}"
+            )
         for field_name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
             if getattr(self, field_name) <= 0:
                 raise ConfigError(f"{field_name} must be positive")

@@ -1,0 +1,103 @@
+"""What callers hand the store and get back: KV chunks and cached prefixes.
+
+A chunk is the KV of ``chunk_tokens`` tokens in the namespace's layout,
+``(num_layers, 2, chunk_tokens, num_kv_heads, head_dim)`` of its dtype. Callers
+may pass a torch tensor (any device), a numpy array or raw bytes of exactly
+the right size; anything else is refused with ``LayoutMismatch`` before any
+byte is stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.errors import LayoutMismatch
+from kvstore.keys import ChunkKey, KVLayout
+from kvstore.tiers.base import TierKind
+
+ChunkData = torch.Tensor | np.ndarray | bytes | bytearray | memoryview
+
+
+def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
+    """A flat byte view of one chunk, validated against ``layout`` (copies only off-CPU)."""
+    if isinstance(data, torch.Tensor):
+        if str(data.dtype).removeprefix("torch.") != layout.dtype:
+            raise LayoutMismatch(f"chunk dtype {data.dtype} is not the namespace's {layout.dtype}")
+        if tuple(data.shape) != layout.chunk_shape:
+            raise LayoutMismatch(
+                f"chunk shape {tuple(data.shape)} is not the namespace's {layout.chunk_shape}"
+            )
+        flat = data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+        return memoryview(flat.numpy())
+    if isinstance(data, np.ndarray):
+        if data.dtype.name != layout.dtype and data.dtype != np.uint8:
+            raise LayoutMismatch(f"chunk dtype {data.dtype} is not the namespace's {layout.dtype}")
+        if data.dtype != np.uint8 and data.shape != layout.chunk_shape:
+            raise LayoutMismatch(
+                f"chunk shape {data.shape} is not the namespace's {layout.chunk_shape}"
+            )
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    elif isinstance(data, bytes | bytearray | memoryview):
+        view = memoryview(data).cast("B") if memoryview(data).ndim else memoryview(data)
+    else:
+        raise LayoutMismatch(f"unsupported chunk type {type(data).__name__}")
+    if view.nbytes != layout.chunk_nbytes:
+        raise LayoutMismatch(
+            f"chunk has {view.nbytes} bytes, the namespace's layout needs {layout.chunk_nbytes}"
+        )
+    return view
+
+
+@dataclass(frozen=True, slots=True)
+class KVChunk:
+    """One chunk read from the store: verified payload bytes plus where they came from.
+
+    ``payload`` is owned by the chunk (never a view into a tier's memory), so
+    it stays valid after the store evicts or overwrites the block.
+    """
+
+    key: ChunkKey
+    tier: TierKind
+    layout: KVLayout
+    payload: memoryview
+
+    def tensor(self) -> torch.Tensor:
+        """The chunk as a CPU tensor of the layout's shape and dtype (no copy when possible)."""
+        dtype: Any = getattr(torch, self.layout.dtype)
+        if self.payload.readonly:
+            raw = torch.from_numpy(np.frombuffer(self.payload, dtype=np.uint8).copy())
+        else:
+            raw = torch.frombuffer(self.payload, dtype=torch.uint8)
+        return raw.view(dtype).reshape(self.layout.chunk_shape)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The answer to ``lookup``: how many leading tokens are cached, and where.
+
+    ``keys`` and ``tiers`` cover the cached chunks only (the leading run);
+    ``tiers[i]`` is the fastest tier holding chunk ``i``.
+    """
+
+    chunk_tokens: int
+    keys: tuple[ChunkKey, ...]
+    tiers: tuple[TierKind, ...]
+    total_chunks: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_chunks * self.chunk_tokens
+
+    def tokens_by_tier(self) -> dict[TierKind, int]:
+        counts: dict[TierKind, int] = {}
+        for tier in self.tiers:
+            counts[tier] = counts.get(tier, 0) + self.chunk_tokens
+        return counts

@@ -1,0 +1,147 @@
+"""The logic shared by the two memory tiers: an index over an arena of bytes.
+
+DRAM and HBM differ only in where the arena lives and how bytes are copied in
+and out (``ArenaMemory``); indexing, allocation, two-phase publication and
+accounting live here once.
+
+Two-phase put: extents for the whole batch are allocated first (all or
+nothing, so a batch that does not fit raises ``TierFull`` having changed
+nothing), bytes are copied in, and only then are the keys published in the
+index. A reader can therefore never find a key whose bytes are still being
+written.
+
+Reads copy out while holding the tier lock, so an extent cannot be freed and
+reused under a reader. Memory copies are bandwidth bound, so serialising them
+costs little, and it keeps the invariant trivially true.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
+
+from kvstore.arena import ExtentAllocator
+from kvstore.block import HEADER_BYTES, Block
+from kvstore.errors import TierFull, TierUnavailable
+from kvstore.keys import ChunkKey
+
+
+class ArenaMemory(Protocol):
+    """A fixed block of bytes that the arena tier indexes."""
+
+    nbytes: int
+
+    def write(self, offset: int, parts: Sequence[memoryview | bytes]) -> None:
+        """Copy ``parts`` back to back into the arena at ``offset``."""
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """An owned, writable copy of ``nbytes`` at ``offset``."""
+
+    def close(self) -> None:
+        """Release the memory."""
+
+
+@dataclass(slots=True)
+class _Extent:
+    namespace: bytes
+    offset: int
+    nbytes: int
+
+
+class ArenaTier:
+    """Index of blocks stored in an ``ArenaMemory``; see the module docstring."""
+
+    verifies_reads = False
+
+    def __init__(self, kind: TierKind, memory: ArenaMemory) -> None:
+        self.kind = kind
+        self._memory = memory
+        self._allocator = ExtentAllocator(memory.nbytes)
+        self._index: dict[ChunkKey, _Extent] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def put_many(self, namespace: bytes, items: Sequence[tuple[ChunkKey, Block]]) -> None:
+        with self._lock:
+            self._check_open()
+            offsets: list[int] = []
+            for _, block in items:
+                offset = self._allocator.allocate(block.nbytes)
+                if offset is None:
+                    for allocated in offsets:
+                        self._allocator.free(allocated)
+                    raise TierFull(
+                        self.kind.label,
+                        f"no free extent of {block.nbytes} bytes "
+                        f"(largest free {self._allocator.largest_free})",
+                    )
+                offsets.append(offset)
+            for (_, block), offset in zip(items, offsets, strict=True):
+                self._memory.write(offset, (block.header, block.payload))
+            for (key, block), offset in zip(items, offsets, strict=True):
+                replaced = self._index.get(key)
+                if replaced is not None:
+                    self._allocator.free(replaced.offset)
+                self._index[key] = _Extent(namespace, offset, block.nbytes)
+
+    def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        with self._lock:
+            self._check_open()
+            found: list[Buffer | None] = []
+            for key in keys:
+                extent = self._index.get(key)
+                if extent is None or extent.namespace != namespace:
+                    found.append(None)
+                else:
+                    found.append(self._memory.read(extent.offset, extent.nbytes))
+            return found
+
+    def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            index = self._index
+            return [(e := index.get(key)) is not None and e.namespace == namespace for key in keys]
+
+    def delete_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> int:
+        deleted = 0
+        with self._lock:
+            for key in keys:
+                extent = self._index.get(key)
+                if extent is not None and extent.namespace == namespace:
+                    del self._index[key]
+                    self._allocator.free(extent.offset)
+                    deleted += 1
+        return deleted
+
+    def scan(self) -> Iterator[StoredBlockInfo]:
+        with self._lock:
+            entries = list(self._index.items())
+        for key, extent in entries:
+            header = bytes(self._memory.read(extent.offset, min(HEADER_BYTES, extent.nbytes)))
+            yield StoredBlockInfo(extent.namespace, key, extent.nbytes, header)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._allocator.used_bytes
+
+    def capacity_bytes(self) -> int:
+        return self._allocator.capacity
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether one block of ``nbytes`` can be placed now without eviction."""
+        with self._lock:
+            return self._allocator.largest_free >= nbytes
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._index.clear()
+                self._memory.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable(self.kind.label, "tier is closed")
