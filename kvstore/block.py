@@ -174,7 +174,7 @@ def stored_block(data: memoryview | bytes | bytearray) -> Block:
     return Block(header=bytes(view[:HEADER_BYTES]), payload=view[HEADER_BYTES:])
 
 
-def parse_header(data: memoryview | bytes) -> BlockHeader:
+def parse_header(data: memoryview | bytes | bytearray) -> BlockHeader:
     """Parse the header fields without verifying the checksum (structure only)."""
     if len(data) < HEADER_BYTES:
         raise CorruptBlock(f"block of {len(data)} bytes is shorter than its header")
@@ -219,7 +219,7 @@ def parse_header(data: memoryview | bytes) -> BlockHeader:
     )
 
 
-def verify_block(data: memoryview | bytes, *, check_payload: bool = True) -> BlockHeader:
+def verify_block(data: memoryview | bytes | bytearray, *, check_payload: bool = True) -> BlockHeader:
     """Parse and verify a stored block: structure, length and (optionally) checksum.
 
     ``check_payload=False`` is for blocks read from memory the store owns and
@@ -250,6 +250,6 @@ def check_identity(header: BlockHeader, namespace: Namespace, key: ChunkKey) -> 
         raise LayoutMismatch(f"block {key.hex()} has a layout other than its namespace's")
 
 
-def payload_view(data: memoryview | bytes) -> memoryview:
+def payload_view(data: memoryview | bytes | bytearray) -> memoryview:
     """The payload bytes of a stored block (no copy)."""
     return memoryview(data)[HEADER_BYTES:]

@@ -170,19 +170,10 @@ class TieredStore:
             located: list[TierKind | None] = [
                 meta.top if (meta := self._meta.get(key)) is not None else None for key in keys
             ]
-        shared = [kind for kind in self._order if kind in SHARED_TIERS]
+        for kind in self._order:
+            if kind in SHARED_TIERS:
+                self._confirm_shared(kind, namespace, keys, located)
         first_gap = next((i for i, tier in enumerate(located) if tier is None), len(keys))
-        for kind in shared:
-            if first_gap == len(keys):
-                break
-            missing = [i for i in range(first_gap, len(keys)) if located[i] is None]
-            present = self._call_tier(
-                kind, lambda t, m=missing: t.contains_many(namespace.digest, [keys[i] for i in m])
-            )
-            for index, found in zip(missing, present or [], strict=False):
-                if found:
-                    located[index] = kind
-            first_gap = next((i for i, tier in enumerate(located) if tier is None), len(keys))
         run = first_gap
         with self._lock:
             self._stats.lookups += 1
@@ -194,6 +185,46 @@ class TieredStore:
             tiers=tuple(tier for tier in located[:run] if tier is not None),
             total_chunks=len(keys),
         )
+
+    def _confirm_shared(
+        self,
+        kind: TierKind,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        located: list[TierKind | None],
+    ) -> None:
+        """Ask shared tier ``kind`` about every key the index cannot place faster.
+
+        The index cannot vouch for a shared tier: other processes add blocks and
+        the server may evict, expire or lose them (a restart without
+        persistence). So keys unknown locally, and keys whose fastest copy is in
+        this tier, are confirmed with one batched round trip. A tier that does
+        not answer confirms nothing: its keys count as not cached.
+        """
+        asked = [i for i, tier in enumerate(located) if tier is None or tier is kind]
+        if not asked:
+            return
+        present = self._call_tier(
+            kind, lambda t: t.contains_many(namespace.digest, [keys[i] for i in asked])
+        )
+        lost: list[ChunkKey] = []
+        for position, index in enumerate(asked):
+            found = present is not None and present[position]
+            if found:
+                located[index] = kind
+            elif located[index] is kind:
+                located[index] = None
+                if present is not None:
+                    lost.append(keys[index])
+        if lost:
+            with self._lock:
+                for key in lost:
+                    meta = self._meta.get(key)
+                    if meta is not None and kind in meta.sizes:
+                        meta.sizes.pop(kind)
+                        self._policy.on_remove(kind, key)
+                        if not meta.sizes:
+                            del self._meta[key]
 
     # -- put --------------------------------------------------------------
 

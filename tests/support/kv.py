@@ -1,0 +1,62 @@
+"""Small namespaces, chunk data and store configs shared by the store tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.block import HEADER_BYTES
+from kvstore.config import StoreConfig, TierConfig
+from kvstore.keys import KVLayout, Namespace
+from kvstore.tiers.base import TierKind
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
+# One chunk's stored size in an arena (header + payload, rounded to the 4 KiB page).
+ARENA_SLOT = 4096
+assert HEADER_BYTES + LAYOUT.chunk_nbytes <= ARENA_SLOT
+
+
+def namespace(model: str = "test-model", salt: str | None = None) -> Namespace:
+    return Namespace(model, LAYOUT, tenant_salt=salt)
+
+
+def tokens(n_chunks: int, start: int = 0) -> np.ndarray:
+    """Token ids for ``n_chunks`` full chunks; different ``start`` gives a different chain."""
+    return np.arange(start, start + n_chunks * LAYOUT.chunk_tokens, dtype=np.int64)
+
+
+def chunks(n_chunks: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(LAYOUT.chunk_shape, generator=generator).to(torch.float16)
+        for _ in range(n_chunks)
+    ]
+
+
+def config(*tiers: TierConfig, promote_on_hit: bool = True) -> StoreConfig:
+    return StoreConfig(tiers=tiers, promote_on_hit=promote_on_hit)
+
+
+def hbm(slots: int) -> TierConfig:
+    return TierConfig(TierKind.HBM, slots * ARENA_SLOT, device="cpu")
+
+
+def dram(slots: int) -> TierConfig:
+    return TierConfig(TierKind.DRAM, slots * ARENA_SLOT)
+
+
+def ssd(path: Path, capacity: int = 64 << 20, codec: str = "none") -> TierConfig:
+    return TierConfig(TierKind.SSD, capacity, path=path, codec=codec)
+
+
+def redis(url: str, capacity: int = 64 << 20, codec: str = "none") -> TierConfig:
+    return TierConfig(
+        TierKind.REDIS,
+        capacity,
+        url=url,
+        codec=codec,
+        socket_timeout_s=0.5,
+        connect_timeout_s=0.5,
+    )

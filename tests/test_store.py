@@ -1,0 +1,352 @@
+"""Scenario tests of ``TieredStore`` over real tiers: which tier serves what, exactly."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import kv
+from support.redis_servers import RedisServer
+
+from kvstore import (
+    AsyncTieredStore,
+    ChunkKey,
+    LayoutMismatch,
+    RequestTooLarge,
+    TieredStore,
+    TierKind,
+    UnknownNamespace,
+    external_keys,
+)
+from kvstore.config import StoreConfig
+
+HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
+
+
+def assert_chunks_equal(store: TieredStore, ns, keys, expected) -> None:
+    got = store.get(ns, keys)
+    assert all(chunk is not None for chunk in got)
+    for chunk, tensor in zip(got, expected, strict=True):
+        assert chunk is not None
+        assert torch.equal(chunk.tensor(), tensor)
+
+
+@pytest.fixture
+def two_level(tmp_path: Path):
+    with TieredStore(kv.config(kv.dram(64), kv.ssd(tmp_path / "lmdb"))) as store:
+        yield store
+
+
+def test_put_lookup_get_round_trip(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    data = kv.chunks(5)
+    tokens = kv.tokens(5)
+    assert two_level.put(ns, tokens, data) == 5
+    # A trailing partial chunk is not keyed; the lookup still covers the 5 full ones.
+    prefix = two_level.lookup(ns, np.concatenate([tokens, [1, 2, 3]]))
+    assert prefix.num_tokens == 5 * kv.LAYOUT.chunk_tokens
+    assert prefix.tiers == (DRAM,) * 5
+    assert_chunks_equal(two_level, ns, prefix.keys, data)
+    # Putting the same chunks again stores nothing new.
+    assert two_level.put(ns, tokens, data) == 0
+
+
+def test_put_skips_none_and_accepts_bytes_and_numpy(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    data = kv.chunks(3)
+    as_bytes = data[1].view(torch.uint8).numpy().tobytes()
+    as_numpy = data[2].numpy()
+    assert two_level.put(ns, kv.tokens(3), [None, as_bytes, as_numpy]) == 2
+    prefix = two_level.lookup(ns, kv.tokens(3))
+    assert prefix.num_chunks == 0  # chunk 0 was never stored, so nothing is a prefix
+    keys = two_level.keys_for(ns, kv.tokens(3))
+    got = two_level.get(ns, keys)
+    assert got[0] is None
+    assert got[1] is not None and torch.equal(got[1].tensor(), data[1])
+    assert got[2] is not None and torch.equal(got[2].tensor(), data[2])
+
+
+def test_lookup_of_a_partially_evicted_chain(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    two_level.put(ns, kv.tokens(6), kv.chunks(6))
+    keys = two_level.keys_for(ns, kv.tokens(6))
+    assert two_level.delete(ns, [keys[3]]) == 1
+    prefix = two_level.lookup(ns, kv.tokens(6))
+    assert prefix.num_chunks == 3
+    assert prefix.keys == tuple(keys[:3])
+    assert prefix.total_chunks == 6
+
+
+def test_bad_input_is_refused_and_stores_nothing(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    good = kv.chunks(2)
+    with pytest.raises(LayoutMismatch):
+        two_level.put(ns, kv.tokens(2), [good[0], good[1].float()])  # wrong dtype
+    with pytest.raises(LayoutMismatch):
+        two_level.put(ns, kv.tokens(2), [good[0], good[1][:, :, :8]])  # wrong shape
+    with pytest.raises(LayoutMismatch):
+        two_level.put(ns, kv.tokens(2), [good[0], b"short"])  # wrong byte size
+    with pytest.raises(LayoutMismatch):
+        two_level.put(ns, kv.tokens(1), good)  # more chunks than tokens cover
+    assert two_level.lookup(ns, kv.tokens(2)).num_chunks == 0
+    assert two_level.stats().chunks_stored == 0
+    with pytest.raises(UnknownNamespace):
+        two_level.namespace(b"\x01" * 16)
+    assert two_level.namespace(ns.digest) is ns
+
+
+def test_oversize_requests_are_refused(tmp_path: Path) -> None:
+    config = StoreConfig(tiers=(kv.dram(4),), max_batch_chunks=3)
+    with TieredStore(config) as store:
+        ns = kv.namespace()
+        with pytest.raises(RequestTooLarge):
+            store.put(ns, kv.tokens(4), kv.chunks(4))
+        with pytest.raises(RequestTooLarge):
+            store.lookup(ns, kv.tokens(4))
+        assert store.put(ns, kv.tokens(3), kv.chunks(3)) == 3
+
+
+def test_tenants_and_models_never_share_chunks(two_level: TieredStore) -> None:
+    alice, bob = kv.namespace(salt="alice"), kv.namespace(salt="bob")
+    other_model = kv.namespace(model="other-model", salt="alice")
+    two_level.put(alice, kv.tokens(3), kv.chunks(3))
+    assert two_level.lookup(alice, kv.tokens(3)).num_chunks == 3
+    assert two_level.lookup(bob, kv.tokens(3)).num_chunks == 0
+    assert two_level.lookup(other_model, kv.tokens(3)).num_chunks == 0
+    # Even with alice's keys in hand, bob's namespace cannot read them.
+    alice_keys = two_level.keys_for(alice, kv.tokens(3))
+    assert two_level.get(bob, alice_keys) == [None, None, None]
+
+
+def test_engine_hashed_keys(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    keys = external_keys(ns, [101, 202, 303])
+    data = kv.chunks(3)
+    assert two_level.put(ns, keys, data) == 3
+    assert two_level.lookup(ns, keys).num_chunks == 3
+    assert_chunks_equal(two_level, ns, keys, data)
+
+
+def test_demotion_cascade_keeps_the_head_high(tmp_path: Path) -> None:
+    """A chain longer than HBM: head in HBM, the rest spills down in order."""
+    config = kv.config(kv.hbm(2), kv.dram(3), kv.ssd(tmp_path / "lmdb"))
+    with TieredStore(config) as store:
+        ns = kv.namespace()
+        data = kv.chunks(8)
+        assert store.put(ns, kv.tokens(8), data) == 8
+        prefix = store.lookup(ns, kv.tokens(8))
+        assert prefix.tiers == (HBM, HBM, DRAM, DRAM, DRAM, SSD, SSD, SSD)
+        # A second chain takes HBM; the first chain's head is written back to DRAM,
+        # pushing DRAM's least recent blocks (the first chain's tail end) to SSD.
+        other = kv.chunks(2, seed=1)
+        store.put(ns, kv.tokens(2, start=10_000), other)
+        assert store.lookup(ns, kv.tokens(2, start=10_000)).tiers == (HBM, HBM)
+        assert store.lookup(ns, kv.tokens(8)).tiers == (DRAM, DRAM, DRAM, SSD, SSD, SSD, SSD, SSD)
+        stats = store.stats()
+        assert stats.tiers[HBM].demotions == 2
+        assert stats.tiers[DRAM].demotions == 2  # the initial spill was no demotion
+        assert stats.tiers[SSD].evictions == 0
+        # Reading the whole first chain promotes it; bytes are identical wherever served.
+        assert_chunks_equal(store, ns, list(prefix.keys), data)
+
+
+def test_eviction_takes_the_tail_before_the_head(tmp_path: Path) -> None:
+    """Dropping from the last tier keeps a cached prefix a prefix."""
+    with TieredStore(kv.config(kv.dram(4))) as store:
+        ns = kv.namespace()
+        store.put(ns, kv.tokens(4), kv.chunks(4))
+        store.put(ns, kv.tokens(1, start=50_000), kv.chunks(1, seed=1))
+        # Four slots, five chunks: the first chain lost its last chunk, not its first.
+        assert store.lookup(ns, kv.tokens(4)).num_chunks == 3
+        store.put(ns, kv.tokens(2, start=60_000), kv.chunks(2, seed=2))
+        assert store.lookup(ns, kv.tokens(4)).num_chunks == 1
+        assert store.stats().tiers[DRAM].evictions == 3
+
+
+def test_promotion_on_hit_and_without(tmp_path: Path) -> None:
+    for promote in (True, False):
+        path = tmp_path / f"lmdb-{promote}"
+        with TieredStore(kv.config(kv.dram(1), kv.ssd(path), promote_on_hit=promote)) as store:
+            ns = kv.namespace()
+            data = kv.chunks(1)
+            store.put(ns, kv.tokens(1), data)
+            store.put(ns, kv.tokens(1, start=9_000), kv.chunks(1, seed=1))  # pushes it to SSD
+            assert store.lookup(ns, kv.tokens(1)).tiers == (SSD,)
+            got = store.get(ns, store.keys_for(ns, kv.tokens(1)))
+            assert got[0] is not None and got[0].tier is SSD
+            assert torch.equal(got[0].tensor(), data[0])
+            expected = (DRAM,) if promote else (SSD,)
+            assert store.lookup(ns, kv.tokens(1)).tiers == expected
+            assert store.stats().tiers[SSD].promotions == int(promote)
+
+
+def test_explicit_demote_promote_pin(tmp_path: Path) -> None:
+    with TieredStore(kv.config(kv.dram(4), kv.ssd(tmp_path / "lmdb"))) as store:
+        ns = kv.namespace()
+        data = kv.chunks(3)
+        store.put(ns, kv.tokens(3), data)
+        keys = store.keys_for(ns, kv.tokens(3))
+        assert store.demote(ns, keys[1:]) == 2
+        assert store.lookup(ns, kv.tokens(3)).tiers == (DRAM, SSD, SSD)
+        assert store.promote(ns, keys) == 2
+        assert store.lookup(ns, kv.tokens(3)).tiers == (DRAM, DRAM, DRAM)
+        # A pinned block is never an eviction victim.
+        assert store.pin(ns, keys[:1]) == 1
+        store.put(ns, kv.tokens(4, start=70_000), kv.chunks(4, seed=3))
+        assert store.lookup(ns, kv.tokens(1)).tiers == (DRAM,)
+        assert store.demote(ns, keys[:1]) == 0
+        store.unpin(ns, keys[:1])
+        assert store.demote(ns, keys[:1]) == 1
+        assert_chunks_equal(store, ns, keys, data)
+
+
+def test_reopen_rebuilds_the_index_from_lmdb(tmp_path: Path) -> None:
+    ns = kv.namespace()
+    data = kv.chunks(4)
+    config = kv.config(kv.dram(8), kv.ssd(tmp_path / "lmdb"))
+    with TieredStore(config) as store:
+        store.put(ns, kv.tokens(4), data)
+        store.demote(ns, store.keys_for(ns, kv.tokens(4)))  # write back to LMDB
+    with TieredStore(config) as reopened:
+        prefix = reopened.lookup(ns, kv.tokens(4))
+        assert prefix.tiers == (SSD,) * 4
+        assert_chunks_equal(reopened, ns, list(prefix.keys), data)
+
+
+def test_concurrent_writers_and_readers(tmp_path: Path) -> None:
+    config = kv.config(kv.hbm(6), kv.dram(10), kv.ssd(tmp_path / "lmdb"))
+    errors: list[BaseException] = []
+    with TieredStore(config) as store:
+        ns = kv.namespace()
+
+        def worker(worker_id: int) -> None:
+            try:
+                for round_ in range(6):
+                    start = (worker_id * 100 + round_) * 1_000
+                    data = kv.chunks(3, seed=worker_id * 100 + round_)
+                    store.put(ns, kv.tokens(3, start=start), data)
+                    keys = store.keys_for(ns, kv.tokens(3, start=start))
+                    for chunk, tensor in zip(store.get(ns, keys), data, strict=True):
+                        # Under pressure a chunk may have been dropped: a miss is
+                        # allowed, a wrong block never.
+                        assert chunk is None or torch.equal(chunk.tensor(), tensor)
+            except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+        # LMDB is large enough for everything: every chain is fully readable.
+        for worker_id in range(4):
+            for round_ in range(6):
+                start = (worker_id * 100 + round_) * 1_000
+                keys = store.keys_for(ns, kv.tokens(3, start=start))
+                assert_chunks_equal(store, ns, keys, kv.chunks(3, seed=worker_id * 100 + round_))
+
+
+def test_redis_stopped_mid_test_degrades_to_misses(redis_server_factory) -> None:
+    server: RedisServer = redis_server_factory()
+    with TieredStore(kv.config(kv.dram(2), kv.redis(server.url))) as store:
+        ns = kv.namespace()
+        data = kv.chunks(5)
+        store.put(ns, kv.tokens(5), data)
+        assert store.lookup(ns, kv.tokens(5)).tiers == (DRAM, DRAM, REDIS, REDIS, REDIS)
+        keys = store.keys_for(ns, kv.tokens(5))
+        server.stop()
+        started = time.monotonic()
+        # DRAM still serves its part; the Redis part is a miss, not an exception.
+        assert store.lookup(ns, kv.tokens(5)).tiers == (DRAM, DRAM)
+        got = store.get(ns, keys)
+        assert [chunk is not None for chunk in got] == [True, True, False, False, False]
+        assert all(torch.equal(c.tensor(), t) for c, t in zip(got[:2], data[:2], strict=True))
+        # A put whose write-back cannot reach Redis drops what it cannot place.
+        store.put(ns, kv.tokens(2, start=5_000), kv.chunks(2, seed=9))
+        assert time.monotonic() - started < 6.0  # bounded by the timeouts, never a hang
+        assert store.stats().tiers[REDIS].errors >= 3
+        server.start()
+        # The same store reconnects once Redis is back (empty: it keeps nothing on disk).
+        assert store.lookup(ns, kv.tokens(5)).num_chunks == 0
+        fresh = kv.chunks(4, seed=11)
+        store.put(ns, kv.tokens(4, start=20_000), fresh)
+        prefix = store.lookup(ns, kv.tokens(4, start=20_000))
+        assert prefix.tiers == (DRAM, DRAM, REDIS, REDIS)
+        assert_chunks_equal(store, ns, list(prefix.keys), fresh)
+
+
+@pytest.mark.cluster
+def test_store_over_a_redis_cluster(clean_redis_cluster) -> None:
+    cluster_tier = kv.redis("unused")
+    cluster_tier = type(cluster_tier)(
+        kind=REDIS,
+        capacity_bytes=64 << 20,
+        nodes=tuple(clean_redis_cluster.startup_nodes),
+        cluster=True,
+        socket_timeout_s=1.0,
+        connect_timeout_s=1.0,
+    )
+    with TieredStore(kv.config(kv.dram(2), cluster_tier)) as store:
+        ns = kv.namespace()
+        data = kv.chunks(12)
+        store.put(ns, kv.tokens(12), data)
+        prefix = store.lookup(ns, kv.tokens(12))
+        assert prefix.tiers == (DRAM, DRAM) + (REDIS,) * 10
+        assert_chunks_equal(store, ns, list(prefix.keys), data)
+
+
+def test_a_second_process_sees_blocks_put_in_shared_redis(clean_redis: RedisServer) -> None:
+    ns = kv.namespace()
+    data = kv.chunks(3)
+    config = kv.config(kv.dram(8), kv.redis(clean_redis.url))
+    with TieredStore(config) as writer, TieredStore(config) as reader:
+        writer.put(ns, kv.tokens(3), data)
+        writer.demote(ns, writer.keys_for(ns, kv.tokens(3)))  # DRAM -> Redis
+        prefix = reader.lookup(ns, kv.tokens(3))
+        assert prefix.tiers == (REDIS,) * 3
+        assert_chunks_equal(reader, ns, list(prefix.keys), data)
+        assert reader.lookup(ns, kv.tokens(3)).tiers == (DRAM,) * 3  # promoted locally
+
+
+def test_codec_per_tier_round_trips(tmp_path: Path) -> None:
+    config = kv.config(kv.dram(2), kv.ssd(tmp_path / "lmdb", codec="zstd-byteplane:1"))
+    with TieredStore(config) as store:
+        ns = kv.namespace()
+        data = kv.chunks(4)
+        store.put(ns, kv.tokens(4), data)
+        keys = store.keys_for(ns, kv.tokens(4))
+        assert store.lookup(ns, kv.tokens(4)).tiers == (DRAM, DRAM, SSD, SSD)
+        assert_chunks_equal(store, ns, keys, data)
+
+
+def test_async_store_mirrors_the_sync_one(tmp_path: Path) -> None:
+    import asyncio
+
+    async def scenario() -> None:
+        async with AsyncTieredStore(kv.config(kv.dram(8))) as store:
+            ns = kv.namespace()
+            data = kv.chunks(3)
+            assert await store.put(ns, kv.tokens(3), data) == 3
+            prefix = await store.lookup(ns, kv.tokens(3))
+            assert prefix.num_chunks == 3
+            got = await store.get(ns, list(prefix.keys))
+            assert all(
+                c is not None and torch.equal(c.tensor(), t)
+                for c, t in zip(got, data, strict=True)
+            )
+            assert await store.delete(ns, [prefix.keys[2]]) == 1
+            assert (await store.lookup(ns, kv.tokens(3))).num_chunks == 2
+            assert (await store.stats()).puts == 1
+
+    asyncio.run(scenario())
+
+
+def test_keys_must_be_chunk_keys(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    with pytest.raises(LayoutMismatch):
+        two_level.lookup(ns, [ChunkKey(b"\x00" * 16), b"\x01" * 16])

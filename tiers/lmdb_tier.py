@@ -1,0 +1,284 @@
+"""The SSD tier: encoded blocks in one LMDB environment.
+
+Why LMDB: a copy-on-write B+tree in one memory-mapped file. A committed
+transaction is never half applied, there is no recovery step after a crash
+(the last good meta page simply wins), readers never block the writer, and a
+read can hand out a pointer into the map instead of a copy.
+
+How this tier uses it, and why:
+
+* **One environment, one database.** All namespaces share the main database
+  (``max_dbs=0``); the LMDB key is ``namespace digest (16) || chunk key (16)``,
+  so namespaces are scoped without named databases, and the key order groups
+  a namespace's blocks together. LMDB forbids opening one environment twice in
+  a process (py-lmdb raises), so a process holds exactly one ``LMDBTier`` per
+  path.
+* **One transaction per batch.** ``put_many`` and ``delete_many`` run in one
+  write transaction: a batch of a prefix's chunks costs one commit (one fsync
+  with ``sync=True``), and a batch is visible all at once or not at all, also
+  after ``kill -9`` mid-write. LMDB has one writer at a time, so concurrent
+  writers queue on the environment's write lock; readers never wait.
+* **Zero-copy reads, copied out inside the transaction.** Reads use
+  ``buffers=True``: values come back as memoryviews into the map, and
+  ``get_many`` copies each into an owned ``bytearray`` before the transaction
+  ends. py-lmdb does not release those memoryviews when the transaction ends:
+  they stay readable but point at pages LMDB may reuse for a later write, or
+  unmap on close, so one must never escape. ``contains_many``, ``scan`` and the
+  accounting read only lengths and headers, and never copy a payload.
+* **Map full is ``TierFull``, not a crash.** The map size is LMDB's hard wall.
+  ``MapFullError`` aborts the whole batch (nothing of it visible) and becomes
+  ``TierFull``, so the store evicts and retries; the environment stays usable.
+* **Stale readers are reaped at open.** A process killed inside a read
+  transaction leaves its slot in the shared reader table; LMDB then keeps every
+  page that reader could see, so freed pages are never reused and the file
+  grows to the map size. ``reader_check`` at open clears the slots of dead
+  processes.
+* **Durability.** With ``sync=True`` (default) a committed transaction is on
+  disk when ``put_many`` returns and survives a process or OS crash.
+  ``sync=False`` skips the fsync: a process crash still loses nothing
+  committed, but an OS crash or power loss may undo the last transactions
+  (the data stays consistent, as ``writemap`` is off). For a cache that is
+  usually the right trade; the default is the safe one.
+
+Accounting: ``used_bytes`` is the sum of the stored value lengths. It is one
+counter, not a per-key map: a write transaction looks up the length of the
+value it replaces or deletes (a memoryview, so no copy and no payload read)
+and the net change is added after the commit. It is computed from the data at
+open, so it survives restarts, and it is this process's view: another process
+writing the same environment is not counted until the next open.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
+
+from kvstore.block import HEADER_BYTES, Block
+from kvstore.errors import TierFull, TierUnavailable
+from kvstore.keys import KEY_BYTES, ChunkKey
+
+logger = logging.getLogger(__name__)
+
+_NAME = TierKind.SSD.label
+_MIB = 1 << 20
+# Headroom for what LMDB stores besides the values: branch and leaf pages,
+# overflow pages rounded up to whole pages, the free list, and the pages that
+# copy-on-write keeps alive while a reader still sees them.
+_MAP_OVERHEAD_RATIO = 1.25
+_MAP_OVERHEAD_FIXED = 64 * _MIB
+# Entries per read transaction in ``scan``: a slow consumer of the iterator
+# must not pin a snapshot (a long-lived reader stops LMDB reusing pages).
+_SCAN_PAGE = 1024
+
+
+def default_map_size(capacity_bytes: int) -> int:
+    """The map size for a tier that may hold ``capacity_bytes`` of values.
+
+    The store evicts to keep the values under capacity, but the file holds
+    more than the values (see ``_MAP_OVERHEAD_RATIO``); a map sized to the
+    capacity alone would turn a store that is merely full into ``TierFull``
+    errors. The map is only address space until written, so headroom is free.
+    """
+    return int(capacity_bytes * _MAP_OVERHEAD_RATIO) + _MAP_OVERHEAD_FIXED
+
+
+class LMDBTier:
+    """A ``Tier`` over one LMDB environment at ``path`` (a directory).
+
+    Thread safe: any number of threads may call any method. ``_lock`` guards
+    ``_env`` (``None`` once closed), ``_used`` and ``_active`` (calls in
+    flight); ``close`` waits for calls in flight, because a call may be copying
+    out of the map that closing unmaps.
+
+    ``stale_readers_cleared`` is how many reader slots of dead processes the
+    open reaped (also logged), for metrics.
+    """
+
+    kind = TierKind.SSD
+    # Bytes read from a file cross a trust boundary (disk rot, another writer).
+    verifies_reads = True
+
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        *,
+        map_size: int | None = None,
+        sync: bool = True,
+        max_readers: int = 126,
+    ) -> None:
+        self._capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
+        try:
+            env = lmdb.open(
+                str(path),
+                map_size=map_size if map_size is not None else default_map_size(capacity_bytes),
+                subdir=True,
+                sync=sync,
+                # Blocks are read at random and are large; readahead would
+                # fill the page cache with neighbours nobody asked for.
+                readahead=False,
+                # Skip zeroing the unused tail of pages before writing them.
+                meminit=False,
+                lock=True,
+                max_readers=max_readers,
+                max_dbs=0,
+            )
+        except (lmdb.Error, OSError) as exc:
+            raise TierUnavailable(_NAME, f"cannot open LMDB at {path}: {exc}") from exc
+        try:
+            # A process killed inside a read transaction keeps its reader slot,
+            # and with it every page it could see. LMDB resets the table only
+            # when the opener is the sole user of the lock file; when another
+            # process (a daemon, a sibling worker) keeps it open, only this
+            # call frees the slots of dead processes.
+            self.stale_readers_cleared: int = env.reader_check()
+            self._used = _sum_value_lengths(env)
+        except lmdb.Error as exc:
+            env.close()
+            raise TierUnavailable(_NAME, f"cannot read LMDB at {path}: {exc}") from exc
+        if self.stale_readers_cleared:
+            logger.warning("cleared %d stale LMDB readers at %s", self.stale_readers_cleared, path)
+        self._env: lmdb.Environment | None = env
+
+    def put_many(self, namespace: bytes, items: Sequence[tuple[ChunkKey, Block]]) -> None:
+        lkeys = [_lmdb_key(namespace, key) for key, _ in items]
+        with self._session() as env:
+            if not lkeys:
+                return
+            delta = 0
+            with env.begin(write=True, buffers=True) as txn:
+                for lkey, (_, block) in zip(lkeys, items, strict=True):
+                    # Joined one at a time: a batch never exists twice in memory.
+                    value = block.to_bytes()
+                    old = txn.get(lkey)
+                    delta += len(value) - (len(old) if old is not None else 0)
+                    txn.put(lkey, value)
+            self._add_used(delta)
+
+    def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        lkeys = [_lmdb_key(namespace, key) for key in keys]
+        with self._session() as env, env.begin(buffers=True) as txn:
+            found: list[Buffer | None] = []
+            for lkey in lkeys:
+                view = txn.get(lkey)
+                # The copy must happen now: the view dies with the transaction.
+                found.append(bytearray(view) if view is not None else None)
+            return found
+
+    def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
+        lkeys = [_lmdb_key(namespace, key) for key in keys]
+        with self._session() as env, env.begin(buffers=True) as txn:
+            return [txn.get(lkey) is not None for lkey in lkeys]
+
+    def delete_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> int:
+        lkeys = [_lmdb_key(namespace, key) for key in keys]
+        with self._session() as env:
+            deleted = freed = 0
+            with env.begin(write=True, buffers=True) as txn:
+                for lkey in lkeys:
+                    old = txn.get(lkey)
+                    if old is not None:
+                        freed += len(old)
+                        txn.delete(lkey)
+                        deleted += 1
+            self._add_used(-freed)
+            return deleted
+
+    def scan(self) -> Iterator[StoredBlockInfo]:
+        """Every stored block, in key order (so grouped by namespace).
+
+        Reads pages of ``_SCAN_PAGE`` entries, each in its own short read
+        transaction, so the caller may take its time between items. The scan is
+        therefore not one snapshot: a block written or deleted meanwhile may or
+        may not be reported, which an index rebuild at startup tolerates.
+        """
+        after: bytes | None = None
+        while True:
+            page = self._scan_page(after)
+            yield from page
+            if len(page) < _SCAN_PAGE:
+                return
+            after = page[-1].namespace + page[-1].key
+
+    def used_bytes(self) -> int:
+        with self._session():
+            return self._used
+
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def close(self) -> None:
+        with self._lock:
+            env, self._env = self._env, None
+            while self._active:
+                self._idle.wait()
+        if env is not None:
+            env.close()
+
+    def _scan_page(self, after: bytes | None) -> list[StoredBlockInfo]:
+        with self._session() as env, env.begin(buffers=True) as txn:
+            cursor = txn.cursor()
+            # Keys are all 2 * KEY_BYTES long, so ``after + b"\0"`` is the
+            # smallest key past ``after``.
+            positioned = cursor.first() if after is None else cursor.set_range(after + b"\0")
+            page: list[StoredBlockInfo] = []
+            while positioned and len(page) < _SCAN_PAGE:
+                lkey, value = cursor.item()
+                page.append(
+                    StoredBlockInfo(
+                        namespace=bytes(lkey[:KEY_BYTES]),
+                        key=ChunkKey(lkey[KEY_BYTES:]),
+                        nbytes=len(value),
+                        header=bytes(value[:HEADER_BYTES]),
+                    )
+                )
+                positioned = cursor.next()
+            return page
+
+    def _add_used(self, delta: int) -> None:
+        with self._lock:
+            self._used += delta
+
+    @contextmanager
+    def _session(self) -> Iterator[lmdb.Environment]:
+        """The open environment for one call; translates LMDB errors at this boundary."""
+        with self._lock:
+            env = self._env
+            if env is None:
+                raise TierUnavailable(_NAME, "tier is closed")
+            self._active += 1
+        try:
+            yield env
+        except lmdb.MapFullError as exc:
+            raise TierFull(_NAME, f"LMDB map is full ({exc})") from exc
+        except lmdb.Error as exc:
+            raise TierUnavailable(_NAME, f"LMDB error: {exc}") from exc
+        finally:
+            with self._lock:
+                self._active -= 1
+                if not self._active:
+                    self._idle.notify_all()
+
+
+def _lmdb_key(namespace: bytes, key: ChunkKey) -> bytes:
+    if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES:
+        raise ValueError(
+            f"namespace digest and chunk key must be {KEY_BYTES} bytes each, "
+            f"got {len(namespace)} and {len(key)}"
+        )
+    return namespace + key
+
+
+def _sum_value_lengths(env: lmdb.Environment) -> int:
+    """Total length of the stored values; reads leaf pages only, never a payload."""
+    with env.begin(buffers=True) as txn:
+        return sum(len(value) for value in txn.cursor().iternext(keys=False, values=True))
