@@ -17,10 +17,10 @@ test:
 
 lint:
 	$(BIN)/ruff check kvstore tiers predictor client bench tests
-	$(BIN)/mypy kvstore tiers
 
 bench:
-	$(BIN)/python bench/tiers.py
+	mkdir -p bench/out
+	$(BIN)/python bench/tiers.py --json > bench/out/tiers.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -142,6 +142,7 @@ class Namespace:
                     "head_dim": self.layout.head_dim,
                     "dtype": self.layout.dtype,
                     "chunk_tokens": self.layout.chunk_tokens,
+                    "page_tokens": self.layout.page_tokens,
                 },
                 "tenant_salt": self.tenant_salt,
                 "hash_algo": self.hash_algo.value,
