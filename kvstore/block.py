@@ -198,6 +198,8 @@ def parse_header(data: memoryview | bytes | bytearray) -> BlockHeader:
         raise CorruptBlock(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
         raise CorruptBlock(f"unsupported block format version {version}")
+    if bytes(data[_HEADER.size : HEADER_BYTES]) != bytes(HEADER_BYTES - _HEADER.size):
+        raise CorruptBlock("reserved header bytes are not zero")
     if dtype_code not in _DTYPE_NAMES:
         raise CorruptBlock(f"unknown dtype code {dtype_code}")
     try:
@@ -219,7 +221,9 @@ def parse_header(data: memoryview | bytes | bytearray) -> BlockHeader:
     )
 
 
-def verify_block(data: memoryview | bytes | bytearray, *, check_payload: bool = True) -> BlockHeader:
+def verify_block(
+    data: memoryview | bytes | bytearray, *, check_payload: bool = True
+) -> BlockHeader:
     """Parse and verify a stored block: structure, length and (optionally) checksum.
 
     ``check_payload=False`` is for blocks read from memory the store owns and

@@ -30,6 +30,7 @@ LMDB under the user's cache directory, no Redis, no GPU.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import os
 import re
 import tomllib
@@ -62,12 +63,15 @@ _EMBEDDED_TIERS = ("dram", "ssd")
 
 def parse_size(value: int | str) -> int:
     """``"4GiB"``, ``"512MB"``, ``"1.5GiB"`` or a plain integer, as bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"a size must be a number of bytes or a string, not {value!r}")
     if isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
     if not match or match.group(2).upper() not in _UNITS:
         raise ConfigError(f"cannot parse size {value!r} (try '4GiB' or '512MB')")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    # Decimal, not float: "2.01KB" is 2010 bytes, not 2009.
+    return int(decimal.Decimal(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 def default_cache_dir() -> Path:
@@ -143,6 +147,10 @@ class StoreConfig:
         tiers_data = data.pop("tiers", None)
         if tiers_data is None:
             tiers_data = {name: {} for name in _EMBEDDED_TIERS}
+        if not isinstance(tiers_data, Mapping) or not all(
+            isinstance(spec, Mapping) for spec in tiers_data.values()
+        ):
+            raise ConfigError("'tiers' must be a table of tables, e.g. [tiers.dram]")
         root = Path(os.path.expanduser(str(data.pop("data_dir", data_dir or default_cache_dir()))))
         tiers = tuple(_tier_from_mapping(name, spec, root) for name, spec in tiers_data.items())
         store_fields = {f.name for f in dataclasses.fields(cls)} - {"tiers", "data_dir"}
@@ -196,6 +204,8 @@ def _parse_env_value(value: str) -> Any:
         return False
     if re.fullmatch(r"-?[0-9]+", lowered):
         return int(lowered)
+    if re.fullmatch(r"-?[0-9]+\.[0-9]*", lowered):
+        return float(lowered)
     return value
 
 
@@ -216,7 +226,11 @@ def _tier_from_mapping(name: str, spec: Mapping[str, Any], data_dir: Path) -> Ti
     elif kind is TierKind.SSD:
         values["path"] = data_dir / "lmdb"
     if "nodes" in spec:
-        values["nodes"] = tuple(spec.pop("nodes"))
+        nodes = spec.pop("nodes")
+        # From the environment a node list arrives as one comma-separated string.
+        values["nodes"] = tuple(
+            node.strip() for node in (nodes.split(",") if isinstance(nodes, str) else nodes)
+        )
     allowed = {f.name for f in dataclasses.fields(TierConfig)} - set(values)
     unknown = set(spec) - allowed
     if unknown:

@@ -22,12 +22,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
-
 from kvstore.arena import ExtentAllocator
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import ChunkKey
+from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
 
 
 class ArenaMemory(Protocol):
@@ -47,9 +46,14 @@ class ArenaMemory(Protocol):
 
 @dataclass(slots=True)
 class _Extent:
-    namespace: bytes
     offset: int
     nbytes: int
+
+
+# Index key: (namespace digest, chunk key). Chunk keys already hash the namespace
+# in, but engines may supply raw keys, and one namespace must never be able to
+# overwrite or delete another's block.
+_IndexKey = tuple[bytes, ChunkKey]
 
 
 class ArenaTier:
@@ -61,7 +65,7 @@ class ArenaTier:
         self.kind = kind
         self._memory = memory
         self._allocator = ExtentAllocator(memory.nbytes)
-        self._index: dict[ChunkKey, _Extent] = {}
+        self._index: dict[_IndexKey, _Extent] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -83,57 +87,60 @@ class ArenaTier:
             for (_, block), offset in zip(items, offsets, strict=True):
                 self._memory.write(offset, (block.header, block.payload))
             for (key, block), offset in zip(items, offsets, strict=True):
-                replaced = self._index.get(key)
+                replaced = self._index.get((namespace, key))
                 if replaced is not None:
                     self._allocator.free(replaced.offset)
-                self._index[key] = _Extent(namespace, offset, block.nbytes)
+                self._index[(namespace, key)] = _Extent(offset, block.nbytes)
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         with self._lock:
             self._check_open()
             found: list[Buffer | None] = []
             for key in keys:
-                extent = self._index.get(key)
-                if extent is None or extent.namespace != namespace:
-                    found.append(None)
-                else:
-                    found.append(self._memory.read(extent.offset, extent.nbytes))
+                extent = self._index.get((namespace, key))
+                found.append(
+                    None if extent is None else self._memory.read(extent.offset, extent.nbytes)
+                )
             return found
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
-            index = self._index
-            return [(e := index.get(key)) is not None and e.namespace == namespace for key in keys]
+            self._check_open()
+            return [(namespace, key) in self._index for key in keys]
 
     def delete_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> int:
         deleted = 0
         with self._lock:
+            self._check_open()
             for key in keys:
-                extent = self._index.get(key)
-                if extent is not None and extent.namespace == namespace:
-                    del self._index[key]
+                extent = self._index.pop((namespace, key), None)
+                if extent is not None:
                     self._allocator.free(extent.offset)
                     deleted += 1
         return deleted
 
     def scan(self) -> Iterator[StoredBlockInfo]:
         with self._lock:
-            entries = list(self._index.items())
-        for key, extent in entries:
-            header = bytes(self._memory.read(extent.offset, min(HEADER_BYTES, extent.nbytes)))
-            yield StoredBlockInfo(extent.namespace, key, extent.nbytes, header)
+            self._check_open()
+            entries = [
+                (
+                    namespace,
+                    key,
+                    extent.nbytes,
+                    bytes(self._memory.read(extent.offset, min(HEADER_BYTES, extent.nbytes))),
+                )
+                for (namespace, key), extent in self._index.items()
+            ]
+        for namespace, key, nbytes, header in entries:
+            yield StoredBlockInfo(namespace, key, nbytes, header)
 
     def used_bytes(self) -> int:
         with self._lock:
+            self._check_open()
             return self._allocator.used_bytes
 
     def capacity_bytes(self) -> int:
         return self._allocator.capacity
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether one block of ``nbytes`` can be placed now without eviction."""
-        with self._lock:
-            return self._allocator.largest_free >= nbytes
 
     def close(self) -> None:
         with self._lock:

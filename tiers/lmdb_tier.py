@@ -57,11 +57,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
-from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
 
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
+from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
 
 logger = logging.getLogger(__name__)
 
