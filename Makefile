@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint bench clean
+.PHONY: install test lint typecheck bench clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,19 @@ install:
 test:
 	$(BIN)/pytest
 
-lint:
+lint: typecheck
 	$(BIN)/ruff check kvstore tiers predictor client bench tests
+
+# mypy cannot follow setuptools' package-dir mapping (tiers/ -> kvstore.tiers),
+# so it checks a tree of symlinks laid out as the installed package is.
+TYPECHECK := build/typecheck/kvstore
+typecheck:
+	rm -rf build/typecheck && mkdir -p $(TYPECHECK)
+	ln -s $(CURDIR)/kvstore/*.py $(TYPECHECK)/
+	ln -s $(CURDIR)/tiers $(TYPECHECK)/tiers
+	ln -s $(CURDIR)/predictor $(TYPECHECK)/predictor
+	ln -s $(CURDIR)/client $(TYPECHECK)/client
+	$(BIN)/mypy $(TYPECHECK)
 
 bench:
 	mkdir -p bench/out

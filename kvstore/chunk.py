@@ -32,7 +32,7 @@ def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
                 f"chunk shape {tuple(data.shape)} is not the namespace's {layout.chunk_shape}"
             )
         flat = data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
-        return memoryview(flat.numpy())
+        return flat.numpy().data
     if isinstance(data, np.ndarray):
         if data.dtype.name != layout.dtype and data.dtype != np.uint8:
             raise LayoutMismatch(f"chunk dtype {data.dtype} is not the namespace's {layout.dtype}")
@@ -40,7 +40,7 @@ def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
             raise LayoutMismatch(
                 f"chunk shape {data.shape} is not the namespace's {layout.chunk_shape}"
             )
-        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
     elif isinstance(data, bytes | bytearray | memoryview):
         view = memoryview(data).cast("B") if memoryview(data).ndim else memoryview(data)
     else:

@@ -46,6 +46,12 @@ class TierKind(enum.IntEnum):
     def label(self) -> str:
         return self.name.lower()
 
+    @property
+    def shared(self) -> bool:
+        """Whether other processes write to this tier too (so no local index of it
+        is authoritative)."""
+        return self is TierKind.REDIS
+
 
 @dataclass(frozen=True, slots=True)
 class StoredBlockInfo:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from multiprocessing import shared_memory
 
 import numpy as np
+
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.base import TierKind
 
@@ -43,7 +44,7 @@ class SharedMemoryArena:
     def read(self, offset: int, nbytes: int) -> memoryview:
         out = np.empty(nbytes, dtype=np.uint8)
         np.copyto(out, self._array[offset : offset + nbytes])
-        return memoryview(out)
+        return out.data
 
     def close(self) -> None:
         if self.pinned:

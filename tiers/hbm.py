@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from kvstore.tiers.arena_tier import ArenaTier
-from kvstore.tiers.base import TierKind
 
 from kvstore.errors import ConfigError
+from kvstore.tiers.arena_tier import ArenaTier
+from kvstore.tiers.base import TierKind
 
 
 class DeviceArena:
@@ -63,7 +63,7 @@ class DeviceArena:
                 target.copy_(staging)
         else:
             target.copy_(self._tensor[offset : offset + nbytes])
-        return memoryview(out)
+        return out.data
 
     def close(self) -> None:
         self._tensor = torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,326 @@
+"""Moving blocks between tiers: admission, write-back eviction, promotion, codecs.
+
+::
+
+    admit(tier) ──► room? ──no──► evict_one(tier): the policy's first unpinned,
+        │                           unprotected victim is written back to the
+        │                           next tier down (unless a lower tier already
+        │                           holds it), then removed here; only the last
+        │                           tier drops blocks for good
+        ▼
+    put_many(batch) ──TierFull──► evict one more, retry with half the batch
+        │
+        └─ blocks that still do not fit spill to the next tier down
+
+Invariants kept here:
+
+* ``used_bytes <= capacity_bytes`` for every tier after every admission.
+* A chain being written (``protect``) never evicts itself: a chain longer
+  than a tier keeps its head there and spills its tail down.
+* The index records a copy only after the tier accepted the write, so a
+  reader never finds a key whose bytes are not all there.
+
+Every method expects the store lock to be held (the store owns it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.block import Block, BlockHeader, frame_block, parse_header, stored_block
+from kvstore.codec import CodecSpec, decode_payload, encode_payload
+from kvstore.errors import CorruptBlock, TierFull
+from kvstore.guarded import GuardedTier
+from kvstore.index import BlockIndex, BlockMeta
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.policy import EvictionPolicy
+from kvstore.stats import StoreStats
+from kvstore.tiers.base import TierKind
+
+
+@dataclass(slots=True)
+class Admission:
+    """One block on its way into a tier, with its parent in the chain."""
+
+    key: ChunkKey
+    block: Block
+    parent: ChunkKey | None
+
+
+class Placement:
+    """The mechanics of the hierarchy; the policy only orders victims."""
+
+    def __init__(
+        self,
+        tiers: dict[TierKind, GuardedTier],
+        codecs: dict[TierKind, CodecSpec],
+        index: BlockIndex,
+        policy: EvictionPolicy,
+        stats: StoreStats,
+    ) -> None:
+        self.tiers = tiers
+        self.order = sorted(tiers)
+        self._codecs = codecs
+        self._index = index
+        self._policy = policy
+        self._stats = stats
+
+    @property
+    def fastest(self) -> TierKind:
+        return self.order[0]
+
+    def below(self, kind: TierKind) -> TierKind | None:
+        position = self.order.index(kind)
+        return self.order[position + 1] if position + 1 < len(self.order) else None
+
+    # -- admission ------------------------------------------------------------
+
+    def admit(
+        self,
+        kind: TierKind,
+        namespace: bytes,
+        admissions: Sequence[Admission],
+        *,
+        session: str | None = None,
+        protect: frozenset[ChunkKey] = frozenset(),
+    ) -> set[ChunkKey]:
+        """Write blocks into tier ``kind``, evicting from it first as needed.
+
+        ``protect`` (the chain being written; it always includes
+        ``admissions``) is never evicted to make room for itself. Blocks that
+        do not fit even after evicting every other unpinned block spill to the
+        next tier down, or are dropped at the last. Returns the keys now held
+        somewhere.
+        """
+        if not admissions:
+            return set()
+        protect = protect | {a.key for a in admissions}
+        tier = self.tiers[kind]
+        capacity = tier.capacity_bytes()
+        stored: set[ChunkKey] = set()
+        spill: list[Admission] = []
+        pending = list(admissions)
+        limit = len(pending)
+        while pending:
+            batch = self._fill_batch(kind, pending[:limit], capacity, protect)
+            if not batch:
+                spill.append(pending.pop(0))
+                continue
+            try:
+                written = tier.put_many(namespace, [(a.key, a.block) for a in batch])
+            except TierFull:
+                # The backend disagrees with our accounting (fragmentation, LMDB
+                # page overhead): evict one more and retry with a smaller batch.
+                evicted = self.evict_one(kind, protect)
+                if len(batch) > 1:
+                    limit = max(1, len(batch) // 2)
+                elif not evicted:
+                    spill.append(pending.pop(0))
+                continue
+            del pending[: len(batch)]
+            if not written:
+                spill.extend(batch)
+                continue
+            counters = self._stats.tier(kind)
+            for admission in batch:
+                self._index.record(
+                    kind,
+                    admission.key,
+                    namespace,
+                    admission.parent,
+                    admission.block.nbytes,
+                    session,
+                )
+                counters.bytes_written += admission.block.nbytes
+                stored.add(admission.key)
+            self._policy.on_access(kind, [a.key for a in batch], session)
+        return stored | self._spill(kind, namespace, spill, session, protect)
+
+    def _spill(
+        self,
+        kind: TierKind,
+        namespace: bytes,
+        spill: list[Admission],
+        session: str | None,
+        protect: frozenset[ChunkKey],
+    ) -> set[ChunkKey]:
+        """Admit what did not fit into ``kind`` to the next tier down."""
+        lower = self.below(kind)
+        if not spill or lower is None:
+            return set()
+        already: set[ChunkKey] = set()
+        moving: list[Admission] = []
+        for admission in spill:
+            meta = self._index.get(admission.key)
+            if meta is not None and any(other >= lower for other in meta.sizes):
+                already.add(admission.key)  # a copy is already held lower down
+            else:
+                moving.append(
+                    Admission(
+                        admission.key, self.reencode(admission.block, lower), admission.parent
+                    )
+                )
+        return already | self.admit(lower, namespace, moving, session=session, protect=protect)
+
+    def _fill_batch(
+        self,
+        kind: TierKind,
+        pending: list[Admission],
+        capacity: int,
+        protect: frozenset[ChunkKey],
+    ) -> list[Admission]:
+        """The longest head of ``pending`` that fits ``kind`` after evicting for it."""
+        tier = self.tiers[kind]
+        batch: list[Admission] = []
+        need = 0
+        for admission in pending:
+            if need + admission.block.nbytes > capacity:
+                break
+            batch.append(admission)
+            need += admission.block.nbytes
+        while batch and tier.used_bytes() + need > capacity:
+            if not self.evict_one(kind, protect):
+                # Nothing left to evict: shrink the batch to what fits now.
+                while batch and tier.used_bytes() + need > capacity:
+                    need -= batch.pop().block.nbytes
+        return batch
+
+    # -- eviction -------------------------------------------------------------
+
+    def evict_one(self, kind: TierKind, protect: frozenset[ChunkKey] = frozenset()) -> bool:
+        """Evict the policy's first unpinned, unprotected victim from ``kind``."""
+        for key in self._policy.victims(kind):
+            meta = self._index.get(key)
+            if meta is None or kind not in meta.sizes:
+                self._policy.on_remove(kind, key)
+                continue
+            if meta.pins or key in protect:
+                continue
+            self.evict(kind, key, meta)
+            return True
+        return False
+
+    def evict(self, kind: TierKind, key: ChunkKey, meta: BlockMeta) -> None:
+        """Write ``key`` back below ``kind`` unless a lower tier has it, then drop it
+        from ``kind``. A block that cannot be read back is dropped, not moved."""
+        lower = self.below(kind)
+        if lower is not None and not any(other > kind for other in meta.sizes):
+            buffers = self.tiers[kind].get_many(meta.namespace, [key])
+            if buffers and buffers[0] is not None:
+                try:
+                    block = self.reencode(stored_block(buffers[0]), lower)
+                except CorruptBlock:
+                    self._stats.tier(kind).corrupt_blocks += 1
+                else:
+                    admission = Admission(key, block, meta.parent)
+                    self.admit(lower, meta.namespace, [admission], protect=frozenset({key}))
+        self.tiers[kind].delete_many(meta.namespace, [key])
+        self._index.drop(kind, key)
+        self._policy.on_remove(kind, key)
+        counters = self._stats.tier(kind)
+        if self._index.get(key) is not None:
+            counters.demotions += 1
+        else:
+            counters.evictions += 1
+
+    def forget(self, kind: TierKind, namespace: bytes, key: ChunkKey) -> int:
+        """Delete ``kind``'s copy of ``key`` (bad, vanished or unwanted) and forget it;
+        returns how many the tier deleted."""
+        deleted = self.tiers[kind].delete_many(namespace, [key])
+        if self._index.drop(kind, key):
+            self._policy.on_remove(kind, key)
+        return deleted
+
+    def touch(self, keys: Sequence[ChunkKey], session: str | None = None) -> None:
+        """Tell the policy a chain was used, per tier holding it, head first."""
+        for kind, chain in self._index.by_tier(keys).items():
+            self._policy.on_access(kind, chain, session)
+
+    def count_promotions(self, admissions: Sequence[Admission], target: TierKind) -> int:
+        """Count admissions that reached ``target``, per tier they came from."""
+        promoted = 0
+        for admission in admissions:
+            meta = self._index.get(admission.key)
+            if meta is not None and target in meta.sizes:
+                source = min((kind for kind in meta.sizes if kind > target), default=target)
+                self._stats.tier(source).promotions += 1
+                promoted += 1
+        return promoted
+
+    # -- codecs -----------------------------------------------------------------
+
+    def encode(
+        self,
+        namespace: Namespace,
+        key: ChunkKey,
+        parent: ChunkKey | None,
+        raw: memoryview,
+        kind: TierKind,
+    ) -> Block:
+        """Frame raw chunk bytes for tier ``kind`` (its codec applied)."""
+        spec = self._codecs[kind]
+        layout = namespace.layout
+        payload = memoryview(encode_payload(raw, layout.dtype, spec.codec, spec.level))
+        header = BlockHeader(
+            codec=spec.codec,
+            dtype=layout.dtype,
+            namespace_digest=namespace.digest,
+            key=key,
+            parent=parent,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            chunk_tokens=layout.chunk_tokens,
+            raw_len=raw.nbytes,
+            payload_len=payload.nbytes,
+        )
+        return frame_block(header, payload)
+
+    def reencode(self, block: Block, kind: TierKind) -> Block:
+        """``block`` framed for tier ``kind``'s codec (itself if the codec matches)."""
+        header = parse_header(block.header)
+        spec = self._codecs[kind]
+        if header.codec is spec.codec:
+            return block
+        raw = decode_payload(block.payload, header.dtype, header.codec, header.raw_len)
+        payload = memoryview(encode_payload(raw, header.dtype, spec.codec, spec.level))
+        return frame_block(
+            BlockHeader(
+                codec=spec.codec,
+                dtype=header.dtype,
+                namespace_digest=header.namespace_digest,
+                key=header.key,
+                parent=header.parent,
+                num_layers=header.num_layers,
+                num_kv_heads=header.num_kv_heads,
+                head_dim=header.head_dim,
+                chunk_tokens=header.chunk_tokens,
+                raw_len=header.raw_len,
+                payload_len=payload.nbytes,
+            ),
+            payload,
+        )
+
+    # -- restart --------------------------------------------------------------
+
+    def rebuild_index(self) -> None:
+        """Index the blocks persistent tiers already hold (after a restart).
+
+        Only headers are read. A header that does not parse or does not match
+        the key it is stored under is deleted and counted as corrupt; payloads
+        are verified when read, as always.
+        """
+        for kind in self.order:
+            infos = self.tiers[kind].scan()
+            for info in infos or ():
+                try:
+                    header = parse_header(info.header)
+                    if header.key != info.key or header.namespace_digest != info.namespace:
+                        raise CorruptBlock("header does not match the key it is stored under")
+                except CorruptBlock:
+                    self.tiers[kind].delete_many(info.namespace, [info.key])
+                    self._stats.tier(kind).corrupt_blocks += 1
+                    continue
+                self._index.record(kind, info.key, info.namespace, header.parent, info.nbytes)
+                self._policy.on_access(kind, [info.key])
