@@ -112,6 +112,7 @@ class StoreConfig:
     max_batch_chunks: int = 4096
     max_chunk_bytes: int = 1 << 30
     scan_on_open: bool = True
+    scrub_interval_s: float | None = None
     data_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:

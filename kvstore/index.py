@@ -116,6 +116,10 @@ class BlockIndex:
             if meta is not None and meta.pins > 0:
                 meta.pins -= 1
 
+    def held_by(self, kind: TierKind) -> list[tuple[bytes, ChunkKey]]:
+        """(namespace, key) of every block ``kind`` holds, as a snapshot."""
+        return [(meta.namespace, key) for key, meta in self._entries.items() if kind in meta.sizes]
+
     def count(self, kind: TierKind) -> int:
         return sum(1 for meta in self._entries.values() if kind in meta.sizes)
 

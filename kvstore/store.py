@@ -90,6 +90,13 @@ class TieredStore:
         if self.config.scan_on_open:
             with self._lock:
                 self._placement.rebuild_index()
+        self._scrub_stop = threading.Event()
+        self._scrubber: threading.Thread | None = None
+        if self.config.scrub_interval_s:
+            self._scrubber = threading.Thread(
+                target=self._scrub_periodically, name="kvstore-scrub", daemon=True
+            )
+            self._scrubber.start()
 
     # -- namespaces -------------------------------------------------------
 
@@ -393,6 +400,59 @@ class TieredStore:
                 deleted += found
         return deleted
 
+    def scrub(self, batch: int = 64) -> int:
+        """Verify the checksum of every block in the memory tiers; return how many failed.
+
+        Reads from LMDB and Redis are verified on every access, but blocks in
+        DRAM and HBM were verified once, on the way in, and are trusted after
+        that. A scrub re-checks them, so that memory corrupted in place (a
+        stray write through a client's mapping, a bit flip) is found and purged
+        before it is served. Runs in batches, pinning each batch while it reads.
+        """
+        failed = 0
+        for kind in self._placement.order:
+            tier = self._placement.tiers[kind]
+            if tier.verifies_reads:
+                continue
+            with self._lock:
+                self._check_open()
+                held = self._index.held_by(kind)
+            for start in range(0, len(held), batch):
+                failed += self._scrub_batch(tier, held[start : start + batch])
+        return failed
+
+    def _scrub_periodically(self) -> None:
+        interval = self.config.scrub_interval_s
+        assert interval is not None
+        while not self._scrub_stop.wait(interval):
+            try:
+                self.scrub()
+            except KVStoreError:  # closed under us
+                return
+
+    def _scrub_batch(self, tier: GuardedTier, entries: list[tuple[bytes, ChunkKey]]) -> int:
+        with self._lock:
+            pinned = self._index.pin([key for _, key in entries])
+        bad: list[tuple[bytes, ChunkKey]] = []
+        try:
+            for namespace, key in entries:
+                buffers = tier.get_many(namespace, [key])
+                if not buffers or buffers[0] is None:
+                    continue
+                try:
+                    header = verify_block(buffers[0])
+                    if header.key != key or header.namespace_digest != namespace:
+                        raise CorruptBlock("block stored under another key")
+                except CorruptBlock:
+                    bad.append((namespace, key))
+        finally:
+            with self._lock:
+                self._index.unpin(pinned)
+                self._stats.tier(tier.kind).corrupt_blocks += len(bad)
+                for namespace, key in bad:
+                    self._placement.forget(tier.kind, namespace, key)
+        return len(bad)
+
     # -- stats and lifecycle ------------------------------------------------
 
     def stats(self) -> StoreStats:
@@ -414,7 +474,10 @@ class TieredStore:
         return list(self._placement.order)
 
     def close(self) -> None:
-        """Close every tier (idempotent)."""
+        """Stop the scrubber and close every tier (idempotent)."""
+        self._scrub_stop.set()
+        if self._scrubber is not None:
+            self._scrubber.join()
         with self._lock:
             if not self._closed:
                 self._closed = True

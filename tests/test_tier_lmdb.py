@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvstore.tiers import lmdb_tier
-from kvstore.tiers.base import Tier, TierKind
-from kvstore.tiers.lmdb_tier import LMDBTier
 
 from kvstore.block import Block, check_identity, encode_block, verify_block
 from kvstore.errors import TierError, TierFull, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.tiers import lmdb_tier
+from kvstore.tiers.base import Tier, TierKind
+from kvstore.tiers.lmdb_tier import LMDBTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
 NS = Namespace("test-model", LAYOUT)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from kvstore.tiers.base import Tier, TierKind
-
 from kvstore.config import TierConfig
 from kvstore.errors import ConfigError
+from kvstore.tiers.base import Tier, TierKind
 
 
 def open_tier(config: TierConfig) -> Tier:
