@@ -1,1 +1,1 @@
-"""Engine-side client library (daemon connection, engine integrations); arrives with issues 3 and 5."""
+"""Engine-side client library: daemon connection and engine integrations (issues 3, 5)."""

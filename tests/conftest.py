@@ -2,3 +2,11 @@
 started on free loopback ports (see ``support/redis_servers.py``)."""
 
 from __future__ import annotations
+
+from support.redis_servers import (  # noqa: F401  (fixtures, registered by import)
+    clean_redis,
+    clean_redis_cluster,
+    redis_cluster,
+    redis_server,
+    redis_server_factory,
+)

@@ -442,3 +442,36 @@ def test_background_scrub_runs_and_stops_on_close() -> None:
     assert store.lookup(ns, kv.tokens(2)).num_chunks == 0  # the head is gone
     store.close()
     assert store._scrubber is not None and not store._scrubber.is_alive()
+
+
+def test_a_slow_redis_is_a_bounded_miss(redis_server_factory) -> None:
+    server: RedisServer = redis_server_factory()
+    with TieredStore(kv.config(kv.dram(1), kv.redis(server.url))) as store:
+        ns = kv.namespace()
+        data = kv.chunks(3)
+        store.put(ns, kv.tokens(3), data)
+        keys = store.keys_for(ns, kv.tokens(3))
+        server.pause()  # SIGSTOP: connections open, nothing answers
+        try:
+            started = time.monotonic()
+            assert store.lookup(ns, kv.tokens(3)).tiers == (DRAM,)
+            got = store.get(ns, keys)
+            assert time.monotonic() - started < 4.0  # two socket timeouts of 0.5 s, and slack
+            assert [c is not None for c in got] == [True, False, False]
+        finally:
+            server.resume()
+        assert_chunks_equal(store, ns, keys, data)
+
+
+def test_reopen_over_redis_restores_its_accounting(clean_redis: RedisServer) -> None:
+    ns = kv.namespace()
+    config = kv.config(kv.dram(1), kv.redis(clean_redis.url))
+    with TieredStore(config) as store:
+        store.put(ns, kv.tokens(4), kv.chunks(4))
+        store.demote(ns, store.keys_for(ns, kv.tokens(1)))  # the head leaves DRAM too
+        held = store.stats().tiers[REDIS]
+        assert held.blocks == 4
+    with TieredStore(config) as reopened:
+        stats = reopened.stats().tiers[REDIS]
+        assert (stats.blocks, stats.used_bytes) == (4, held.used_bytes)
+        assert reopened.lookup(ns, kv.tokens(4)).tiers == (REDIS,) * 4

@@ -1,0 +1,407 @@
+"""Shared helpers for the benchmarks in ``bench/``: timing, tables, JSON, a private Redis.
+
+Every benchmark here follows the same shape::
+
+    with bench_session() as stack:            # SIGTERM -> SystemExit, cleanup on Ctrl-C
+        redis = stack.enter_context(RedisServer())
+        tmp = stack.enter_context(temp_dir("kvs-bench-"))
+        samples = time_interleaved({"store": Case(run=..., before=...),
+                                    "raw": Case(run=...)}, reps=5)
+        samples["store"].median                 # seconds
+    log(format_table(headers, rows))            # human output on stderr
+    emit_json({"machine": machine_info(), ...}) # one JSON object on stdout
+
+Conventions:
+
+* Times are medians of ``reps`` repetitions after ``warmup`` untimed ones; a
+  repetition's ``before`` and ``after`` hooks (fresh keys, deletes) run
+  outside the timed region.
+* Alternatives being compared (the store and the raw backend) are timed
+  *interleaved*, one repetition of each in turn, so drift on a shared machine
+  (page cache, CPU frequency, a neighbour) hits both alike.
+* GB/s are decimal (1e9 bytes per second) of payload bytes.
+* ``RedisServer`` only ever starts its own ``redis-server`` on a free loopback
+  port, persistence off, and stops it on exit (also on Ctrl-C, SIGTERM, or
+  via ``atexit`` if the interpreter exits some other way). It never talks to
+  a Redis it did not start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+HOST = "127.0.0.1"
+# Ports this module must never use: the shared development Redis lives on 6379.
+_RESERVED_PORTS = frozenset({6379})
+
+
+# -- output ------------------------------------------------------------------
+
+
+def log(*parts: object) -> None:
+    """Progress and human output go to stderr, so stdout stays one JSON object."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def emit_json(payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` as one JSON object on stdout."""
+    json.dump(payload, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table; numbers right-aligned, text left-aligned.
+
+    Floats are printed as given by the caller (format them before passing if
+    a particular precision matters); ``None`` prints as ``-``.
+    """
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [len(header) for header in headers]
+    for row in cells:
+        for index, text in enumerate(row):
+            widths[index] = max(widths[index], len(text))
+    numeric = [
+        all(isinstance(row[i], int | float) or row[i] is None for row in rows) and bool(rows)
+        for i in range(len(headers))
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            value.rjust(widths[i]) if numeric[i] else value.ljust(widths[i])
+            for i, value in enumerate(values)
+        ).rstrip()
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([line(headers), rule, *(line(row) for row in cells)])
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to compare two runs: CPUs, memory, versions, GPU if any."""
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model(),
+        "memory_bytes": _memory_bytes(),
+        "platform": platform.platform(),
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+    }
+    for module in ("numpy", "torch", "lmdb", "redis", "hiredis", "xxhash"):
+        try:
+            imported = __import__(module)
+        except ImportError:
+            info[module] = None
+            continue
+        info[module] = getattr(imported, "__version__", getattr(imported, "VERSION", None))
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["cuda"] = None
+    if shutil.which("redis-server"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            version = subprocess.run(
+                ["redis-server", "--version"], capture_output=True, text=True, timeout=5
+            ).stdout
+            info["redis_server"] = (
+                version.split("v=", 1)[-1].split()[0] if "v=" in version else None
+            )
+    return info
+
+
+def _cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+def _memory_bytes() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal GB/s."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+# -- timing ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Wall-clock seconds of each timed repetition."""
+
+    seconds: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how noisy the repetitions were."""
+        return (max(self.seconds) - min(self.seconds)) / self.median if self.median else 0.0
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(slots=True)
+class Case:
+    """One thing to time. ``before``/``after`` run around every repetition, untimed.
+
+    ``before`` may return a value; it is passed to ``run`` and ``after`` (e.g.
+    the fresh keys of this repetition). With ``before`` left alone, ``run``
+    and ``after`` are called without arguments.
+    """
+
+    run: Callable[..., object]
+    before: Callable[[], object] | None = None
+    after: Callable[..., object] | None = None
+
+
+def time_interleaved(cases: Mapping[str, Case], reps: int, *, warmup: int = 1) -> dict[str, Sample]:
+    """Time every case ``warmup + reps`` times, one repetition of each in turn.
+
+    Returns the timed (non-warmup) samples by case name.
+    """
+    if reps < 1:
+        raise ValueError("reps must be at least 1")
+    timings: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(warmup + reps):
+        for name, case in cases.items():
+            elapsed = _time_once(case)
+            if rep >= warmup:
+                timings[name].append(elapsed)
+    return {name: Sample(tuple(values)) for name, values in timings.items()}
+
+
+def time_reps(run: Callable[[], object], reps: int, *, warmup: int = 1) -> Sample:
+    """Time ``run`` alone; see ``time_interleaved``."""
+    return time_interleaved({"run": Case(run=run)}, reps, warmup=warmup)["run"]
+
+
+def _time_once(case: Case) -> float:
+    if case.before is None:
+        start = time.perf_counter()
+        result = case.run()
+        elapsed = time.perf_counter() - start
+        del result  # freed outside the timed region
+        if case.after is not None:
+            case.after()
+        return elapsed
+    state = case.before()
+    start = time.perf_counter()
+    result = case.run(state)
+    elapsed = time.perf_counter() - start
+    del result
+    if case.after is not None:
+        case.after(state)
+    return elapsed
+
+
+# -- lifecycle ---------------------------------------------------------------
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def bench_session() -> Iterator[contextlib.ExitStack]:
+    """An ``ExitStack`` whose resources are released on normal exit, Ctrl-C or SIGTERM.
+
+    SIGTERM is turned into ``SystemExit`` for the duration, so ``finally``
+    blocks and context managers run as they do for Ctrl-C (``KeyboardInterrupt``).
+    """
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        with contextlib.ExitStack() as stack:
+            yield stack
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def temp_dir(prefix: str = "kvs-bench-", base: str | Path | None = None) -> Iterator[Path]:
+    """A temporary directory (default: the system temp dir, a real filesystem here),
+    removed on exit whatever happens."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- a private redis-server --------------------------------------------------
+
+_live_servers: set[subprocess.Popen[bytes]] = set()
+
+
+@atexit.register
+def _kill_leftover_servers() -> None:
+    """Backstop for an exit that skipped ``RedisServer.stop`` (it should not happen)."""
+    for proc in list(_live_servers):
+        if proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        _live_servers.discard(proc)
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on (never one of the reserved ports)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _RESERVED_PORTS:
+            return port
+    raise RuntimeError("no free loopback port found")
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free loopback port, persistence off.
+
+    Use as a context manager (``with RedisServer() as server: server.url``).
+    The server runs in its own session, so a Ctrl-C in the terminal reaches
+    only the benchmark, which then stops the server itself: the server never
+    disappears in the middle of a measurement's cleanup. ``extra_args`` are
+    appended to the command line (e.g. ``["--maxmemory", "1gb"]``).
+    """
+
+    def __init__(self, *, extra_args: Sequence[str] = (), start_timeout_s: float = 10.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self._binary = binary
+        self._extra_args = list(extra_args)
+        self._start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self._proc is not None:
+            return
+        self._dir = Path(tempfile.mkdtemp(prefix="kvs-bench-redis-"))
+        self.port = free_port()
+        argv = [
+            self._binary,
+            "--port", str(self.port),
+            "--bind", HOST,
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--dir", str(self._dir),
+            *self._extra_args,
+        ]  # fmt: skip
+        log_file = open(self._dir / "redis.log", "ab")  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            log_file.close()
+        _live_servers.add(self._proc)
+        deadline = time.monotonic() + self._start_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                tail = self._log_tail()
+                self.stop()
+                raise RuntimeError(f"redis-server on port {self.port} exited: {tail}")
+            with contextlib.suppress(OSError):
+                if self.command("PING").startswith(b"+PONG"):
+                    return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+
+    def command(self, *args: str | bytes, timeout_s: float = 2.0) -> bytes:
+        """One command over a raw socket (no client library); the first reply line."""
+        parts = [f"*{len(args)}\r\n".encode()]
+        for arg in args:
+            raw = arg.encode() if isinstance(arg, str) else arg
+            parts.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+        with socket.create_connection((HOST, self.port), timeout=timeout_s) as sock:
+            sock.sendall(b"".join(parts))
+            reply = b""
+            while b"\r\n" not in reply:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        return reply
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, wait, SIGKILL if it lingers; remove its directory. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=timeout_s)
+            _live_servers.discard(proc)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _log_tail(self) -> str:
+        if self._dir is None:
+            return ""
+        with contextlib.suppress(OSError):
+            return (self._dir / "redis.log").read_text(errors="replace")[-2000:]
+        return ""

@@ -1,0 +1,624 @@
+#!/usr/bin/env python3
+"""Put and get throughput of every tier through the real ``TieredStore``, against the raw backend.
+
+For each chunk size (256 KiB, 2 MiB, 16 MiB of bfloat16 K/V) and each tier, a
+``TieredStore`` configured with that tier *alone* (so every put and get hits
+it) stores and reads back a batch of chunks, one ``put``/``get`` call per
+batch, as an engine saving or loading a prefix would. The same bytes are moved
+in the same run by the backend with nothing of the store around it, which
+gives the ceiling the store is measured against:
+
+    tier   store path                               raw ceiling
+    -----  ---------------------------------------  -----------------------------------------
+    hbm    HBMTier on cuda (only with a GPU)        pinned host <-> device torch copy (DMA)
+    dram   DRAMTier (shared-memory arena)           np.copyto into a preallocated buffer
+    ssd    LMDBTier in a temp dir, sync=True        py-lmdb, one write txn per batch, same
+                                                    flags; txn.get returning bytes
+    redis  RedisTier on a private redis-server      redis-py (hiredis) pipelined SET / GET,
+                                                    same server, same client settings
+
+Puts write a fresh key space every repetition (the previous repetition's keys
+are deleted, untimed), so a put is a real write, never a "chunk already held".
+Gets read the last repetition's chunks, which are really stored. GB/s are
+decimal, of KV payload bytes (the 128-byte block header is the store's own
+overhead and not counted); times are medians, store and raw interleaved.
+
+It also measures prefix hashing: ``kvstore.keys.chunk_keys`` over ~4M token
+ids, default namespace (xxh3-128, 256-token chunks), and the same with sha256.
+
+    python bench/tiers.py            # table on stdout
+    python bench/tiers.py --json     # one JSON object on stdout, table on stderr
+    python bench/tiers.py --quick    # smaller batches, fewer repetitions (< 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import (  # noqa: E402
+    Case,
+    RedisServer,
+    Sample,
+    bench_session,
+    emit_json,
+    format_table,
+    gbps,
+    log,
+    machine_info,
+    temp_dir,
+    time_interleaved,
+    time_reps,
+)
+
+from kvstore.block import HEADER_BYTES  # noqa: E402
+from kvstore.config import StoreConfig, TierConfig  # noqa: E402
+from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys  # noqa: E402
+from kvstore.store import TieredStore  # noqa: E402
+from kvstore.tiers.base import TierKind  # noqa: E402
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ChunkSize:
+    """A chunk size and the bfloat16 layout that gives exactly that many bytes."""
+
+    label: str
+    layout: KVLayout
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.chunk_nbytes
+
+
+# Llama-3.1-8B's KV is 128 KiB per token (32 layers, 8 KV heads of 128, bf16):
+# 16 tokens of it are a 2 MiB chunk (vLLM's block), 128 tokens 16 MiB; 256 KiB
+# is 16 tokens of a 4-layer slice (a per-layer-group transfer).
+SIZES = (
+    ChunkSize("256KiB", KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, chunk_tokens=16)),
+    ChunkSize("2MiB", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, chunk_tokens=16)),
+    ChunkSize("16MiB", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, chunk_tokens=128)),
+)
+assert [size.nbytes for size in SIZES] == [256 * 1024, 2 * MiB, 16 * MiB]
+
+# Goals from the issue: store/raw get ratio at 2 MiB chunks.
+GET_GOALS = {"dram": 0.8, "ssd": 0.6, "redis": 0.8}
+GOAL_CHUNK_BYTES = 2 * MiB
+
+HASH_TOKENS = 1 << 22  # ~4M token ids
+VOCAB = 128_256  # Llama-3's vocabulary, so ids look like an engine's
+
+
+@dataclass(frozen=True)
+class Settings:
+    batch_bytes: int
+    reps: int
+    warmup: int
+    hash_reps: int
+
+    def batch_chunks(self, size: ChunkSize) -> int:
+        return max(2, self.batch_bytes // size.nbytes)
+
+
+FULL = Settings(batch_bytes=128 * MiB, reps=9, warmup=1, hash_reps=7)
+QUICK = Settings(batch_bytes=32 * MiB, reps=5, warmup=1, hash_reps=3)
+
+
+@dataclass
+class Result:
+    tier: str
+    op: str
+    chunk_bytes: int
+    batch_chunks: int
+    store: Sample
+    raw: Sample
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.chunk_bytes * self.batch_chunks
+
+    @property
+    def gbps(self) -> float:
+        return gbps(self.batch_bytes, self.store.median)
+
+    @property
+    def raw_gbps(self) -> float:
+        return gbps(self.batch_bytes, self.raw.median)
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.raw_gbps
+
+    @property
+    def goal(self) -> float | None:
+        if self.op == "get" and self.chunk_bytes == GOAL_CHUNK_BYTES:
+            return GET_GOALS.get(self.tier)
+        return None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "op": self.op,
+            "chunk_bytes": self.chunk_bytes,
+            "gbps": round(self.gbps, 4),
+            "raw_gbps": round(self.raw_gbps, 4),
+            "ratio": round(self.ratio, 4),
+        }
+
+
+# -- raw ceilings ------------------------------------------------------------
+
+
+class RawBackend(Protocol):
+    """The backend of one tier driven directly, with the same bytes as the store."""
+
+    def load(self, payloads: Sequence[np.ndarray]) -> None:
+        """Take this chunk size's payloads (untimed: conversions, buffers)."""
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        """Store payload ``i`` under ``keys[i]``."""
+
+    def get(self, keys: Sequence[bytes]) -> list[Any]:
+        """Read the values under ``keys``."""
+
+    def delete(self, keys: Sequence[bytes]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RawDRAM:
+    """memcpy (``np.copyto``, one thread) into and out of preallocated, touched buffers."""
+
+    def load(self, payloads: Sequence[np.ndarray]) -> None:
+        self._sources = list(payloads)
+        sizes = [p.nbytes for p in payloads]
+        self._offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        self._arena = np.zeros(sum(sizes), dtype=np.uint8)
+        self._outs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        arena = self._arena
+        for source, offset in zip(self._sources, self._offsets, strict=False):
+            np.copyto(arena[offset : offset + source.nbytes], source)
+
+    def get(self, keys: Sequence[bytes]) -> list[Any]:
+        arena = self._arena
+        for out, offset in zip(self._outs, self._offsets, strict=False):
+            np.copyto(out, arena[offset : offset + out.nbytes])
+        return self._outs
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        pass
+
+    def close(self) -> None:
+        self._arena = self._sources = self._outs = None  # type: ignore[assignment]
+
+
+class RawLMDB:
+    """py-lmdb with the LMDB tier's open flags, in its own env beside the store's."""
+
+    def __init__(self, path: Path, map_size: int, *, sync: bool = True) -> None:
+        import lmdb
+
+        # Same flags as kvstore.tiers.lmdb_tier.LMDBTier opens with.
+        self._env = lmdb.open(
+            str(path),
+            map_size=map_size,
+            subdir=True,
+            sync=sync,
+            readahead=False,
+            meminit=False,
+            lock=True,
+            max_dbs=0,
+        )
+
+    def load(self, payloads: Sequence[np.ndarray]) -> None:
+        self._values = [p.tobytes() for p in payloads]
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        with self._env.begin(write=True) as txn:
+            for key, value in zip(keys, self._values, strict=False):
+                txn.put(key, value)
+
+    def get(self, keys: Sequence[bytes]) -> list[Any]:
+        with self._env.begin() as txn:  # buffers=False: each value comes back as bytes
+            return [txn.get(key) for key in keys]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        with self._env.begin(write=True) as txn:
+            for key in keys:
+                txn.delete(key)
+
+    def close(self) -> None:
+        self._env.close()
+
+
+class RawRedis:
+    """redis-py pipelined SET/GET (hiredis parser), the Redis tier's client settings."""
+
+    def __init__(self, url: str, config: TierConfig) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._pool = redis.BlockingConnectionPool.from_url(
+            url,
+            timeout=config.socket_timeout_s,
+            retry=Retry(NoBackoff(), retries=1),
+            decode_responses=False,
+            socket_timeout=config.socket_timeout_s,
+            socket_connect_timeout=config.connect_timeout_s,
+            health_check_interval=15,
+            max_connections=32,
+        )
+        self._client = redis.Redis(connection_pool=self._pool)
+
+    def load(self, payloads: Sequence[np.ndarray]) -> None:
+        self._values = [p.tobytes() for p in payloads]
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for key, value in zip(keys, self._values, strict=False):
+            pipe.set(b"raw:" + key, value)
+        pipe.execute()
+
+    def get(self, keys: Sequence[bytes]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(b"raw:" + key)
+        return list(pipe.execute())
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.delete(b"raw:" + key)
+        pipe.execute()
+
+    def close(self) -> None:
+        self._client.close()
+        self._pool.disconnect()
+
+
+class RawHBM:
+    """Pinned host <-> device ``copy_(non_blocking=True)`` per chunk, one sync per batch."""
+
+    def __init__(self, device: str = "cuda") -> None:
+        self._device = torch.device(device)
+
+    def load(self, payloads: Sequence[np.ndarray]) -> None:
+        self._sources = [torch.from_numpy(p).pin_memory() for p in payloads]
+        sizes = [p.nbytes for p in payloads]
+        self._offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        self._arena = torch.zeros(sum(sizes), dtype=torch.uint8, device=self._device)
+        self._outs = [torch.zeros(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        for source, offset in zip(self._sources, self._offsets, strict=False):
+            self._arena[offset : offset + source.numel()].copy_(source, non_blocking=True)
+        torch.cuda.synchronize(self._device)
+
+    def get(self, keys: Sequence[bytes]) -> list[Any]:
+        for out, offset in zip(self._outs, self._offsets, strict=False):
+            out.copy_(self._arena[offset : offset + out.numel()], non_blocking=True)
+        torch.cuda.synchronize(self._device)
+        return self._outs
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        pass
+
+    def close(self) -> None:
+        self._sources = self._outs = []
+        self._arena = torch.empty(0)
+
+
+# -- the tiers under test ------------------------------------------------------
+
+
+@dataclass
+class TierUnderTest:
+    name: str
+    store: TieredStore
+    raw: RawBackend
+
+
+def open_tiers(
+    wanted: Sequence[str], settings: Settings, stack: Any, tmp: Path
+) -> tuple[list[TierUnderTest], list[str]]:
+    """Open each wanted tier (store + raw backend); return them and notes on skipped ones."""
+    notes: list[str] = []
+    # Room for two batches (the last repetition's and the current one) plus headers.
+    largest = max(settings.batch_chunks(size) * (size.nbytes + HEADER_BYTES) for size in SIZES)
+    capacity = 3 * largest
+    opened: list[TierUnderTest] = []
+
+    def store_of(tier: TierConfig) -> TieredStore:
+        config = StoreConfig(tiers=(tier,), promote_on_hit=False, data_dir=tmp)
+        return stack.enter_context(TieredStore(config))
+
+    for name in wanted:
+        if name == "hbm":
+            if not torch.cuda.is_available():
+                notes.append("hbm: skipped, no CUDA device (an HBM tier on cpu is not a real tier)")
+                continue
+            tier = TierConfig(TierKind.HBM, capacity_bytes=capacity, device="cuda")
+            raw: RawBackend = RawHBM("cuda")
+        elif name == "dram":
+            tier = TierConfig(TierKind.DRAM, capacity_bytes=capacity)
+            raw = RawDRAM()
+        elif name == "ssd":
+            from kvstore.tiers.lmdb_tier import default_map_size
+
+            tier = TierConfig(TierKind.SSD, capacity_bytes=capacity, path=tmp / "store-lmdb")
+            raw = RawLMDB(tmp / "raw-lmdb", default_map_size(capacity), sync=tier.sync)
+        elif name == "redis":
+            try:
+                server = stack.enter_context(RedisServer())
+            except RuntimeError as error:
+                notes.append(f"redis: skipped ({error})")
+                continue
+            tier = TierConfig(TierKind.REDIS, capacity_bytes=capacity, url=server.url)
+            raw = RawRedis(server.url, tier)
+        else:
+            raise SystemExit(f"unknown tier {name!r}; expected hbm, dram, ssd or redis")
+        stack.callback(raw.close)
+        opened.append(TierUnderTest(name, store_of(tier), raw))
+    return opened, notes
+
+
+# -- measurement ---------------------------------------------------------------
+
+
+class KeySpace:
+    """Fresh token sequences (hence fresh chunk keys) for every repetition."""
+
+    def __init__(self, namespace: Namespace, count: int, seed: int) -> None:
+        self._namespace = namespace
+        self._count = count
+        self._rng = np.random.default_rng(seed)
+
+    def fresh(self) -> tuple[np.ndarray, list[ChunkKey]]:
+        tokens = self._rng.integers(
+            0, VOCAB, size=self._count * self._namespace.chunk_tokens, dtype=np.int64
+        )
+        return tokens, chunk_keys(self._namespace, tokens)
+
+
+def raw_keys(namespace: Namespace, keys: Sequence[ChunkKey]) -> list[bytes]:
+    # 32-byte keys, as the LMDB tier uses (namespace digest + chunk key).
+    return [namespace.digest + key for key in keys]
+
+
+def measure_tier(
+    tut: TierUnderTest,
+    size: ChunkSize,
+    chunks: list[torch.Tensor],
+    payloads: list[np.ndarray],
+    settings: Settings,
+    seed: int,
+) -> list[Result]:
+    """Put then get throughput of one tier at one chunk size, store and raw."""
+    store, raw = tut.store, tut.raw
+    namespace = Namespace(f"bench-{size.label}", size.layout)
+    count = len(chunks)
+    raw.load(payloads)
+    space = KeySpace(namespace, count, seed)
+    held: dict[str, list[Any]] = {"store": [], "raw": []}
+
+    def store_put(state: tuple[np.ndarray, list[ChunkKey]]) -> None:
+        stored = store.put(namespace, state[0], chunks)
+        if stored != count:
+            raise RuntimeError(f"{tut.name}: stored {stored} of {count} chunks (capacity?)")
+
+    def store_after(state: tuple[np.ndarray, list[ChunkKey]]) -> None:
+        if held["store"]:
+            store.delete(namespace, held["store"])
+        held["store"] = state[1]
+
+    def raw_before() -> list[bytes]:
+        return raw_keys(namespace, space.fresh()[1])
+
+    def raw_after(keys: list[bytes]) -> None:
+        if held["raw"]:
+            raw.delete(held["raw"])
+        held["raw"] = keys
+
+    puts = time_interleaved(
+        {
+            "store": Case(run=store_put, before=space.fresh, after=store_after),
+            "raw": Case(run=raw.put, before=raw_before, after=raw_after),
+        },
+        settings.reps,
+        warmup=settings.warmup,
+    )
+
+    store_keys, raw_held = held["store"], held["raw"]
+    misses_before = store.stats().get_misses
+    check_roundtrip(tut.name, store.get(namespace, store_keys), payloads)
+    if any(value is None for value in raw.get(raw_held)):
+        raise RuntimeError(f"{tut.name}: the raw backend lost a value")
+    gets = time_interleaved(
+        {
+            "store": Case(run=lambda: store.get(namespace, store_keys)),
+            "raw": Case(run=lambda: raw.get(raw_held)),
+        },
+        settings.reps,
+        warmup=settings.warmup,
+    )
+    store.delete(namespace, store_keys)
+    raw.delete(raw_held)
+    misses = store.stats().get_misses - misses_before
+    if misses:
+        raise RuntimeError(f"{tut.name}: {misses} timed gets missed")
+    return [
+        Result(tut.name, "put", size.nbytes, count, puts["store"], puts["raw"]),
+        Result(tut.name, "get", size.nbytes, count, gets["store"], gets["raw"]),
+    ]
+
+
+def check_roundtrip(tier: str, got: list[Any], payloads: list[np.ndarray]) -> None:
+    """Every chunk came back, and (first and last) byte for byte."""
+    if any(chunk is None for chunk in got):
+        raise RuntimeError(f"{tier}: a chunk just stored was a miss")
+    for index in (0, len(payloads) - 1):
+        if bytes(got[index].payload) != payloads[index].tobytes():
+            raise RuntimeError(f"{tier}: chunk {index} did not round-trip")
+
+
+def make_chunks(size: ChunkSize, count: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(size.layout.chunk_shape, generator=generator, dtype=torch.bfloat16)
+        for _ in range(count)
+    ]
+
+
+def measure_hashing(reps: int) -> dict[str, Any]:
+    """Tokens/s of ``chunk_keys`` on ~4M token ids, one thread, per algorithm and dtype."""
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128)  # chunk_tokens=256
+    rng = np.random.default_rng(7)
+    tokens64 = rng.integers(0, VOCAB, size=HASH_TOKENS, dtype=np.int64)
+    tokens32 = tokens64.astype(np.int32)
+    out: dict[str, Any] = {"tokens": HASH_TOKENS, "chunk_tokens": layout.chunk_tokens}
+    for algo in (HashAlgo.XXH3_128, HashAlgo.SHA256):
+        namespace = Namespace("bench-hash", layout, hash_algo=algo)
+        for label, tokens in (("int64", tokens64), ("int32", tokens32)):
+            sample = time_reps(functools.partial(chunk_keys, namespace, tokens), reps, warmup=1)
+            out[f"{algo.value}_{label}_tokens_per_s"] = HASH_TOKENS / sample.median
+    return out
+
+
+# -- output ----------------------------------------------------------------------
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
+
+
+def table(results: list[Result]) -> str:
+    rows = []
+    for r in results:
+        verdict = None
+        if r.goal is not None:
+            verdict = f"{'ok' if r.ratio >= r.goal else 'MISS'} (>= {r.goal})"
+        rows.append(
+            [
+                r.tier,
+                r.op,
+                size_label(r.chunk_bytes),
+                r.batch_chunks,
+                f"{r.gbps:.2f}",
+                f"{r.raw_gbps:.2f}",
+                f"{r.ratio:.3f}",
+                f"{r.store.spread:.0%}/{r.raw.spread:.0%}",
+                verdict,
+            ]
+        )
+    return format_table(
+        ["tier", "op", "chunk", "batch", "store GB/s", "raw GB/s", "ratio", "spread", "goal"],
+        rows,
+    )
+
+
+NOTES = [
+    "GB/s: decimal, KV payload bytes per second (128-byte block headers not counted), "
+    "median of the timed repetitions; store and raw interleaved; spread = (max-min)/median.",
+    "Each tier runs in a TieredStore configured with that tier alone; chunks are CPU bf16 "
+    "tensors (torch.randn); one put/get call per batch of chunks.",
+    "ssd (LMDB, sync=True): puts pay an fsync per batch commit, on both sides. Gets are served "
+    "from the OS page cache (the data was just written), so they run at memory speed, not disk "
+    "speed; store and raw read the same cache.",
+    "dram raw: np.copyto into preallocated, already-touched buffers (one thread); the store "
+    "allocates a fresh buffer per chunk read.",
+    "redis raw: redis-py + hiredis pipelined SET/GET of bytes prepared in advance, against the "
+    "same private redis-server (loopback), same client settings as the tier.",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--quick", action="store_true", help="smaller batches, fewer reps")
+    parser.add_argument(
+        "--tiers", default="hbm,dram,ssd,redis", help="comma-separated subset to run"
+    )
+    parser.add_argument(
+        "--tmpdir", default=None, help="where LMDB files go (default: the system temp dir)"
+    )
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    out: Callable[..., None] = log if args.json else print
+    started = time.perf_counter()
+
+    results: list[Result] = []
+    with bench_session() as stack:
+        tmp = stack.enter_context(temp_dir("kvs-bench-tiers-", args.tmpdir))
+        tiers, notes = open_tiers(args.tiers.split(","), settings, stack, tmp)
+        for size_index, size in enumerate(SIZES):
+            count = settings.batch_chunks(size)
+            chunks = make_chunks(size, count, seed=size_index)
+            payloads = [chunk.view(torch.uint8).reshape(-1).numpy() for chunk in chunks]
+            for tier_index, tut in enumerate(tiers):
+                log(f"  {tut.name:5} {size_label(size.nbytes):>7} x {count} ...")
+                results.extend(
+                    measure_tier(
+                        tut, size, chunks, payloads, settings, seed=1000 * size_index + tier_index
+                    )
+                )
+    log("  hashing ...")
+    hashing = measure_hashing(settings.hash_reps)
+    elapsed = time.perf_counter() - started
+
+    mode = "quick" if args.quick else "full"
+    out(table(results))
+    out()
+    out(
+        f"hash (chunk_keys, {HASH_TOKENS} tokens, chunk_tokens=256, one thread): "
+        f"xxh3_128 {hashing['xxh3_128_int64_tokens_per_s'] / 1e6:.1f}M tok/s "
+        f"(int32 ids {hashing['xxh3_128_int32_tokens_per_s'] / 1e6:.1f}M), "
+        f"sha256 {hashing['sha256_int64_tokens_per_s'] / 1e6:.1f}M tok/s "
+        f"(int32 ids {hashing['sha256_int32_tokens_per_s'] / 1e6:.1f}M)"
+    )
+    for note in [*notes, *NOTES]:
+        out(f"* {note}")
+    out(
+        f"{mode} run: batches of ~{settings.batch_bytes // MiB} MiB, "
+        f"{settings.warmup} warmup + {settings.reps} timed reps; {elapsed:.1f} s"
+    )
+    if args.json:
+        emit_json(
+            {
+                "machine": machine_info(),
+                "config": {
+                    "mode": mode,
+                    "batch_bytes": settings.batch_bytes,
+                    "batch_chunks": {str(s.nbytes): settings.batch_chunks(s) for s in SIZES},
+                    "reps": settings.reps,
+                    "warmup": settings.warmup,
+                    "tiers": [tut.name for tut in tiers],
+                    "get_goals_at_2MiB": GET_GOALS,
+                },
+                "results": [r.as_json() for r in results],
+                "hash_tokens_per_s": round(hashing["xxh3_128_int64_tokens_per_s"]),
+                "hash_sha256_tokens_per_s": round(hashing["sha256_int64_tokens_per_s"]),
+                "hash": {k: round(v) if isinstance(v, float) else v for k, v in hashing.items()},
+                "notes": [*notes, *NOTES],
+                "elapsed_s": round(elapsed, 1),
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
