@@ -25,10 +25,11 @@ Every method expects the store lock to be held (the store owns it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.block import Block, BlockHeader, frame_block, parse_header, stored_block
+from kvstore.block import Block, encode_block, frame_block, parse_header, stored_block
 from kvstore.codec import CodecSpec, decode_payload, encode_payload
 from kvstore.errors import CorruptBlock, TierFull
 from kvstore.guarded import GuardedTier
@@ -260,22 +261,8 @@ class Placement:
     ) -> Block:
         """Frame raw chunk bytes for tier ``kind`` (its codec applied)."""
         spec = self._codecs[kind]
-        layout = namespace.layout
-        payload = memoryview(encode_payload(raw, layout.dtype, spec.codec, spec.level))
-        header = BlockHeader(
-            codec=spec.codec,
-            dtype=layout.dtype,
-            namespace_digest=namespace.digest,
-            key=key,
-            parent=parent,
-            num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            chunk_tokens=layout.chunk_tokens,
-            raw_len=raw.nbytes,
-            payload_len=payload.nbytes,
-        )
-        return frame_block(header, payload)
+        payload = memoryview(encode_payload(raw, namespace.layout.dtype, spec.codec, spec.level))
+        return encode_block(namespace, key, parent, payload, codec=spec.codec, raw_len=raw.nbytes)
 
     def reencode(self, block: Block, kind: TierKind) -> Block:
         """``block`` framed for tier ``kind``'s codec (itself if the codec matches)."""
@@ -285,22 +272,7 @@ class Placement:
             return block
         raw = decode_payload(block.payload, header.dtype, header.codec, header.raw_len)
         payload = memoryview(encode_payload(raw, header.dtype, spec.codec, spec.level))
-        return frame_block(
-            BlockHeader(
-                codec=spec.codec,
-                dtype=header.dtype,
-                namespace_digest=header.namespace_digest,
-                key=header.key,
-                parent=header.parent,
-                num_layers=header.num_layers,
-                num_kv_heads=header.num_kv_heads,
-                head_dim=header.head_dim,
-                chunk_tokens=header.chunk_tokens,
-                raw_len=header.raw_len,
-                payload_len=payload.nbytes,
-            ),
-            payload,
-        )
+        return frame_block(dataclasses.replace(header, codec=spec.codec), payload)
 
     # -- restart --------------------------------------------------------------
 
