@@ -34,9 +34,9 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from kvstore.block import HEADER_BYTES, check_identity, verify_block
+from kvstore.block import HEADER_BYTES, verify_block
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
-from kvstore.codec import CodecSpec, decode_payload
+from kvstore.codec import CodecSpec
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CorruptBlock,
@@ -50,13 +50,10 @@ from kvstore.index import BlockIndex
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.placement import Admission, Placement
 from kvstore.policy import EvictionPolicy, LRUPolicy
+from kvstore.reader import BlockReader
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier, TierKind
 from kvstore.tiers.factory import open_tier
-
-# Verified reads from a local tier go in windows of about this many bytes
-# (half the L2 cache of the machines measured; see _read_from).
-VERIFY_WINDOW_BYTES = 2 << 20
 
 TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
 
@@ -76,6 +73,7 @@ class TieredStore:
         self._index = BlockIndex()
         self._namespaces: dict[bytes, Namespace] = {}
         self._closed = False
+        self._reader = BlockReader()
         tiers: dict[TierKind, GuardedTier] = {}
         codecs: dict[TierKind, CodecSpec] = {}
         try:
@@ -287,56 +285,17 @@ class TieredStore:
         if not wanted:
             return
         tier = self._placement.tiers[kind]
-        # A verified read checksums every byte it copied. Reading a local tier
-        # (LMDB) in windows smaller than the L2 cache verifies each window while
-        # it is still cached, instead of streaming the batch through memory
-        # twice. A remote tier keeps one round trip per batch: there the wire,
-        # not the cache, is the bottleneck.
-        step = len(wanted)
-        if tier.verifies_reads and not kind.shared:
-            step = max(1, VERIFY_WINDOW_BYTES // (HEADER_BYTES + namespace.layout.chunk_nbytes))
-        for start in range(0, len(wanted), step):
-            if not self._read_window(tier, namespace, keys, wanted[start : start + step], results):
-                return
-
-    def _read_window(
-        self,
-        tier: GuardedTier,
-        namespace: Namespace,
-        keys: list[ChunkKey],
-        wanted: list[int],
-        results: list[KVChunk | None],
-    ) -> bool:
-        """Read and verify ``keys[i] for i in wanted`` from ``tier``; False if it failed."""
-        buffers = tier.get_many(namespace.digest, [keys[i] for i in wanted])
-        if buffers is None:
-            return False
-        bad: list[ChunkKey] = []
-        absent: list[ChunkKey] = []
-        bytes_read = 0
-        for index, buffer in zip(wanted, buffers, strict=True):
-            if buffer is None:
-                absent.append(keys[index])
-                continue
-            try:
-                header = verify_block(buffer, check_payload=tier.verifies_reads)
-                check_identity(header, namespace, keys[index])
-                raw = decode_payload(
-                    memoryview(buffer)[HEADER_BYTES:], header.dtype, header.codec, header.raw_len
-                )
-            except (CorruptBlock, LayoutMismatch):
-                bad.append(keys[index])
-                continue
-            bytes_read += len(buffer)
-            results[index] = KVChunk(keys[index], tier.kind, namespace.layout, raw)
+        outcome = self._reader.read(tier, namespace, keys, wanted)
+        for index, chunk in outcome.chunks:
+            results[index] = chunk
         with self._lock:
-            counters = self._stats.tier(tier.kind)
-            counters.hits += len(wanted) - len(bad) - len(absent)
-            counters.bytes_read += bytes_read
-            counters.corrupt_blocks += len(bad)
-            for key in bad + [key for key in absent if self._index.holds(tier.kind, key)]:
-                self._placement.forget(tier.kind, namespace.digest, key)
-        return True
+            counters = self._stats.tier(kind)
+            counters.hits += len(outcome.chunks)
+            counters.bytes_read += outcome.bytes_read
+            counters.corrupt_blocks += len(outcome.bad)
+            vanished = [key for key in outcome.absent if self._index.holds(kind, key)]
+            for key in outcome.bad + vanished:
+                self._placement.forget(kind, namespace.digest, key)
 
     def _after_hits(
         self, namespace: Namespace, keys: list[ChunkKey], results: list[KVChunk | None]
@@ -507,6 +466,7 @@ class TieredStore:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                self._reader.close()
                 for tier in self._placement.tiers.values():
                     tier.close()
 

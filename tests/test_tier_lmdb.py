@@ -82,7 +82,7 @@ def test_round_trip_is_bit_for_bit_and_owned(tier: LMDBTier) -> None:
     got = tier.get_many(NS.digest, [key for key, _ in items])
     tier.close()  # the map is unmapped; owned copies must still read back
     for (key, block), value in zip(items, got, strict=True):
-        assert isinstance(value, bytearray)
+        assert isinstance(value, memoryview) and not value.readonly
         assert value == block.to_bytes()
         check_identity(verify_block(memoryview(value)), NS, key)
 

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from kvstore.arena import ExtentAllocator
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
@@ -37,8 +39,8 @@ class ArenaMemory(Protocol):
     def write(self, offset: int, parts: Sequence[memoryview | bytes]) -> None:
         """Copy ``parts`` back to back into the arena at ``offset``."""
 
-    def read(self, offset: int, nbytes: int) -> memoryview:
-        """An owned, writable copy of ``nbytes`` at ``offset``."""
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes at ``offset`` into the uint8 array ``out``."""
 
     def close(self) -> None:
         """Release the memory."""
@@ -95,12 +97,22 @@ class ArenaTier:
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         with self._lock:
             self._check_open()
+            extents = [self._index.get((namespace, key)) for key in keys]
+            # One output allocation per batch, not per block: a large numpy
+            # allocation is backed by huge pages, so filling it costs a handful
+            # of page faults instead of one per 4 KiB (which, for 256 KiB
+            # blocks, cost more than the copy itself).
+            out = np.empty(sum(e.nbytes for e in extents if e is not None), dtype=np.uint8)
             found: list[Buffer | None] = []
-            for key in keys:
-                extent = self._index.get((namespace, key))
-                found.append(
-                    None if extent is None else self._memory.read(extent.offset, extent.nbytes)
-                )
+            position = 0
+            for extent in extents:
+                if extent is None:
+                    found.append(None)
+                    continue
+                target = out[position : position + extent.nbytes]
+                self._memory.read_into(extent.offset, target)
+                found.append(target.data)
+                position += extent.nbytes
             return found
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -127,12 +139,17 @@ class ArenaTier:
                     namespace,
                     key,
                     extent.nbytes,
-                    bytes(self._memory.read(extent.offset, min(HEADER_BYTES, extent.nbytes))),
+                    self._read_header(extent),
                 )
                 for (namespace, key), extent in self._index.items()
             ]
         for namespace, key, nbytes, header in entries:
             yield StoredBlockInfo(namespace, key, nbytes, header)
+
+    def _read_header(self, extent: _Extent) -> bytes:
+        header = np.empty(min(HEADER_BYTES, extent.nbytes), dtype=np.uint8)
+        self._memory.read_into(extent.offset, header)
+        return header.tobytes()
 
     def used_bytes(self) -> int:
         with self._lock:

@@ -41,10 +41,8 @@ class SharedMemoryArena:
             self._array[offset : offset + length] = np.frombuffer(part, dtype=np.uint8)
             offset += length
 
-    def read(self, offset: int, nbytes: int) -> memoryview:
-        out = np.empty(nbytes, dtype=np.uint8)
-        np.copyto(out, self._array[offset : offset + nbytes])
-        return out.data
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        np.copyto(out, self._array[offset : offset + out.size])
 
     def close(self) -> None:
         if self.pinned:

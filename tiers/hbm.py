@@ -50,8 +50,8 @@ class DeviceArena:
                 self._tensor.numpy()[offset : offset + length] = source
             offset += length
 
-    def read(self, offset: int, nbytes: int) -> memoryview:
-        out = np.empty(nbytes, dtype=np.uint8)
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        nbytes = out.size
         target = torch.from_numpy(out)
         if self._cuda:
             with self._staging_lock:
@@ -63,7 +63,6 @@ class DeviceArena:
                 target.copy_(staging)
         else:
             target.copy_(self._tensor[offset : offset + nbytes])
-        return out.data
 
     def close(self) -> None:
         self._tensor = torch.empty(0, dtype=torch.uint8)

@@ -20,7 +20,7 @@ How this tier uses it, and why:
   writers queue on the environment's write lock; readers never wait.
 * **Zero-copy reads, copied out inside the transaction.** Reads use
   ``buffers=True``: values come back as memoryviews into the map, and
-  ``get_many`` copies each into an owned ``bytearray`` before the transaction
+  ``get_many`` copies each into an owned numpy buffer before the transaction
   ends. py-lmdb does not release those memoryviews when the transaction ends:
   they stay readable but point at pages LMDB may reuse for a later write, or
   unmap on close, so one must never escape. ``contains_many``, ``scan`` and the
@@ -57,6 +57,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
@@ -171,7 +172,7 @@ class LMDBTier:
             for lkey in lkeys:
                 view = txn.get(lkey)
                 # The copy must happen now: the view dies with the transaction.
-                found.append(bytearray(view) if view is not None else None)
+                found.append(_owned_copy(view) if view is not None else None)
             return found
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -282,3 +283,11 @@ def _sum_value_lengths(env: lmdb.Environment) -> int:
     """Total length of the stored values; reads leaf pages only, never a payload."""
     with env.begin(buffers=True) as txn:
         return sum(len(value) for value in txn.cursor().iternext(keys=False, values=True))
+
+
+def _owned_copy(view: memoryview) -> memoryview:
+    """Copy a value out of the map. numpy's copy releases the GIL (``bytearray``'s
+    does not), so the store can checksum the previous value on another thread."""
+    out = np.empty(view.nbytes, dtype=np.uint8)
+    np.copyto(out, np.frombuffer(view, dtype=np.uint8))
+    return out.data

@@ -1,0 +1,122 @@
+"""Reading blocks out of a tier: verify, decode, and overlap the two with the copy.
+
+A verified read costs a copy (the tier hands over an owned buffer) plus a
+checksum over the same bytes; done one after the other the two costs add up.
+So a batch from a local tier (LMDB) is read in windows of a few MiB, and each
+window is checksummed on a worker thread while the caller's thread copies the
+next one. Both xxhash and numpy's copy release the GIL, so on two cores the
+checksum hides behind the copy (measured on LMDB at 2 MiB chunks: 0.60 of
+raw py-lmdb serially, 0.81-0.84 overlapped with 8 MiB windows; 2 MiB
+windows gave 0.69-0.73, the hand-off per window costing more than the cache
+locality saves).
+
+A remote tier (Redis) is read in one round trip per batch: there the wire is
+the bottleneck, and splitting the batch would add round trips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvstore.block import HEADER_BYTES, check_identity, verify_block
+from kvstore.chunk import KVChunk
+from kvstore.codec import decode_payload
+from kvstore.errors import CorruptBlock, LayoutMismatch
+from kvstore.guarded import GuardedTier
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.tiers.base import Buffer
+
+# Verified reads from a local tier go in windows of about this many bytes.
+VERIFY_WINDOW_BYTES = 8 << 20
+
+
+@dataclass
+class ReadOutcome:
+    """What one read of a tier produced. ``failed``: the tier stopped answering."""
+
+    chunks: list[tuple[int, KVChunk]] = field(default_factory=list)
+    bad: list[ChunkKey] = field(default_factory=list)
+    absent: list[ChunkKey] = field(default_factory=list)
+    bytes_read: int = 0
+    failed: bool = False
+
+    def merge(self, other: ReadOutcome) -> None:
+        self.chunks += other.chunks
+        self.bad += other.bad
+        self.absent += other.absent
+        self.bytes_read += other.bytes_read
+
+
+def check_window(
+    tier: GuardedTier,
+    namespace: Namespace,
+    keys: Sequence[ChunkKey],
+    indices: Sequence[int],
+    buffers: Sequence[Buffer | None],
+) -> ReadOutcome:
+    """Verify and decode what a tier returned for ``keys[i] for i in indices``.
+
+    The checksum is checked when the tier's reads cross a trust boundary;
+    the key, namespace and layout always.
+    """
+    outcome = ReadOutcome()
+    for index, buffer in zip(indices, buffers, strict=True):
+        key = keys[index]
+        if buffer is None:
+            outcome.absent.append(key)
+            continue
+        try:
+            header = verify_block(buffer, check_payload=tier.verifies_reads)
+            check_identity(header, namespace, key)
+            raw = decode_payload(
+                memoryview(buffer)[HEADER_BYTES:], header.dtype, header.codec, header.raw_len
+            )
+        except (CorruptBlock, LayoutMismatch):
+            outcome.bad.append(key)
+            continue
+        outcome.bytes_read += len(buffer)
+        outcome.chunks.append((index, KVChunk(key, tier.kind, namespace.layout, raw)))
+    return outcome
+
+
+class BlockReader:
+    """Reads batches from tiers; owns the checksum worker thread."""
+
+    def __init__(self) -> None:
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-verify")
+
+    def read(
+        self,
+        tier: GuardedTier,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        indices: Sequence[int],
+    ) -> ReadOutcome:
+        """Read, verify and decode ``keys[i] for i in indices`` from ``tier``."""
+        step = len(indices)
+        if tier.verifies_reads and not tier.kind.shared:
+            step = max(1, VERIFY_WINDOW_BYTES // (HEADER_BYTES + namespace.layout.chunk_nbytes))
+        if step >= len(indices):
+            buffers = tier.get_many(namespace.digest, [keys[i] for i in indices])
+            if buffers is None:
+                return ReadOutcome(failed=True)
+            return check_window(tier, namespace, keys, indices, buffers)
+        outcome = ReadOutcome()
+        checks: list[Future[ReadOutcome]] = []
+        for start in range(0, len(indices), step):
+            window = indices[start : start + step]
+            buffers = tier.get_many(namespace.digest, [keys[i] for i in window])
+            if buffers is None:
+                outcome.failed = True
+                break
+            checks.append(
+                self._verifier.submit(check_window, tier, namespace, keys, window, buffers)
+            )
+        for check in checks:
+            outcome.merge(check.result())
+        return outcome
+
+    def close(self) -> None:
+        self._verifier.shutdown(wait=True)
