@@ -17,6 +17,12 @@ gives the ceiling the store is measured against:
     redis  RedisTier on a private redis-server      redis-py (hiredis) pipelined SET / GET,
                                                     same server, same client settings
 
+Gets are measured twice: ``get`` (the store allocates each chunk's buffer)
+and ``get_into`` (``get(..., out=)``: the store copies into the caller's own,
+already allocated buffers, as an engine loading into its KV cache does). The
+ceiling of ``get_into`` reads into preallocated buffers too: memcpy for DRAM,
+py-lmdb zero-copy views copied out for LMDB, redis-py GET then a copy for Redis.
+
 Puts write a fresh key space every repetition (the previous repetition's keys
 are deleted, untimed), so a put is a real write, never a "chunk already held".
 Gets read the last repetition's chunks, which are really stored. GB/s are
@@ -174,6 +180,10 @@ class RawBackend(Protocol):
     def get(self, keys: Sequence[bytes]) -> list[Any]:
         """Read the values under ``keys``."""
 
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
+        """Read the values under ``keys`` into the preallocated ``outs``, as cheaply as
+        the backend allows (the ceiling of ``get(..., out=)``)."""
+
     def delete(self, keys: Sequence[bytes]) -> None: ...
 
     def close(self) -> None: ...
@@ -195,10 +205,13 @@ class RawDRAM:
             np.copyto(arena[offset : offset + source.nbytes], source)
 
     def get(self, keys: Sequence[bytes]) -> list[Any]:
-        arena = self._arena
-        for out, offset in zip(self._outs, self._offsets, strict=False):
-            np.copyto(out, arena[offset : offset + out.nbytes])
+        self.get_into(keys, self._outs)
         return self._outs
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
+        arena = self._arena
+        for out, offset in zip(outs, self._offsets, strict=False):
+            np.copyto(out, arena[offset : offset + out.nbytes])
 
     def delete(self, keys: Sequence[bytes]) -> None:
         pass
@@ -236,6 +249,11 @@ class RawLMDB:
     def get(self, keys: Sequence[bytes]) -> list[Any]:
         with self._env.begin() as txn:  # buffers=False: each value comes back as bytes
             return [txn.get(key) for key in keys]
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
+        with self._env.begin(buffers=True) as txn:  # zero-copy views of the map
+            for key, out in zip(keys, outs, strict=True):
+                np.copyto(out, np.frombuffer(txn.get(key), dtype=np.uint8))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._env.begin(write=True) as txn:
@@ -281,6 +299,10 @@ class RawRedis:
             pipe.get(b"raw:" + key)
         return list(pipe.execute())
 
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
+        for value, out in zip(self.get(keys), outs, strict=True):
+            np.copyto(out, np.frombuffer(value, dtype=np.uint8))
+
     def delete(self, keys: Sequence[bytes]) -> None:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
@@ -315,6 +337,12 @@ class RawHBM:
             out.copy_(self._arena[offset : offset + out.numel()], non_blocking=True)
         torch.cuda.synchronize(self._device)
         return self._outs
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
+        for out, offset in zip(outs, self._offsets, strict=False):
+            target = torch.from_numpy(out)
+            target.copy_(self._arena[offset : offset + target.numel()], non_blocking=True)
+        torch.cuda.synchronize(self._device)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         pass
@@ -457,6 +485,19 @@ def measure_tier(
         settings.reps,
         warmup=settings.warmup,
     )
+    # get(..., out=): into the caller's own (already touched) buffers, as an
+    # engine loading into its KV cache does; the ceiling reads into buffers too.
+    outs = [torch.zeros_like(chunk) for chunk in chunks]
+    raw_outs = [np.zeros(p.nbytes, dtype=np.uint8) for p in payloads]
+    check_roundtrip(tut.name, store.get(namespace, store_keys, out=outs), payloads)
+    gets_into = time_interleaved(
+        {
+            "store": Case(run=lambda: store.get(namespace, store_keys, out=outs)),
+            "raw": Case(run=lambda: raw.get_into(raw_held, raw_outs)),
+        },
+        settings.reps,
+        warmup=settings.warmup,
+    )
     store.delete(namespace, store_keys)
     raw.delete(raw_held)
     misses = store.stats().get_misses - misses_before
@@ -465,6 +506,7 @@ def measure_tier(
     return [
         Result(tut.name, "put", size.nbytes, count, puts["store"], puts["raw"]),
         Result(tut.name, "get", size.nbytes, count, gets["store"], gets["raw"]),
+        Result(tut.name, "get_into", size.nbytes, count, gets_into["store"], gets_into["raw"]),
     ]
 
 

@@ -236,12 +236,35 @@ def verify_block(
             f"block is {view.nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
         )
     if check_payload:
-        hasher = xxhash.xxh3_64(view[:_CHECKSUM_OFFSET])
-        hasher.update(view[HEADER_BYTES:])
-        stored = int.from_bytes(view[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8], "little")
-        if hasher.intdigest() != stored:
-            raise CorruptBlock(f"checksum mismatch for block {header.key.hex()}")
+        _check_checksum(view, view[HEADER_BYTES:], header.key)
     return header
+
+
+def verify_parts(
+    header_bytes: memoryview | bytes | bytearray,
+    payload: memoryview | bytes | bytearray,
+    *,
+    check_payload: bool = True,
+) -> BlockHeader:
+    """``verify_block`` for a block whose header and payload were copied apart
+    (``Tier.get_many_into``); the checksum covers the same bytes."""
+    header = parse_header(header_bytes)
+    payload_view = memoryview(payload).cast("B")
+    if payload_view.nbytes != header.payload_len:
+        raise CorruptBlock(
+            f"payload is {payload_view.nbytes} bytes, header says {header.payload_len}"
+        )
+    if check_payload:
+        _check_checksum(memoryview(header_bytes), payload_view, header.key)
+    return header
+
+
+def _check_checksum(header: memoryview, payload: memoryview, key: ChunkKey) -> None:
+    hasher = xxhash.xxh3_64(header[:_CHECKSUM_OFFSET])
+    hasher.update(payload)
+    stored = int.from_bytes(header[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8], "little")
+    if hasher.intdigest() != stored:
+        raise CorruptBlock(f"checksum mismatch for block {key.hex()}")
 
 
 def check_identity(header: BlockHeader, namespace: Namespace, key: ChunkKey) -> None:

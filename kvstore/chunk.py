@@ -52,6 +52,36 @@ def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
     return view
 
 
+def destination_bytes(data: ChunkData, layout: KVLayout) -> np.ndarray:
+    """A writable flat uint8 view of a caller's buffer for one chunk (``get(..., out=)``).
+
+    The buffer must live in host memory (a CPU tensor, pinned or not, a numpy
+    array, a ``bytearray`` or a writable ``memoryview``), be contiguous and
+    hold exactly one chunk; it is written in place, never copied.
+    """
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise LayoutMismatch("destination tensors must be in host memory")
+        if str(data.dtype).removeprefix("torch.") != layout.dtype or not data.is_contiguous():
+            raise LayoutMismatch(f"destination must be a contiguous {layout.dtype} tensor")
+        array = data.view(torch.uint8).reshape(-1).numpy()
+    elif isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise LayoutMismatch("destination arrays must be contiguous")
+        array = data.reshape(-1).view(np.uint8)
+    elif isinstance(data, bytearray | memoryview):
+        array = np.frombuffer(data, dtype=np.uint8)
+    else:
+        raise LayoutMismatch(f"unsupported destination type {type(data).__name__}")
+    if not array.flags.writeable:
+        raise LayoutMismatch("destination buffer is read-only")
+    if array.nbytes != layout.chunk_nbytes:
+        raise LayoutMismatch(
+            f"destination has {array.nbytes} bytes, one chunk needs {layout.chunk_nbytes}"
+        )
+    return array
+
+
 @dataclass(frozen=True, slots=True)
 class KVChunk:
     """One chunk read from the store: verified payload bytes plus where they came from.

@@ -17,7 +17,7 @@ from kvstore.block import Block
 from kvstore.errors import TierError, TierFull
 from kvstore.keys import ChunkKey
 from kvstore.stats import TierCounters
-from kvstore.tiers.base import Buffer, StoredBlockInfo, Tier
+from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, Tier
 
 _T = TypeVar("_T")
 
@@ -34,6 +34,14 @@ class GuardedTier:
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None] | None:
         return self._guard(lambda: self.tier.get_many(namespace, keys))
+
+    def get_many_into(
+        self,
+        namespace: bytes,
+        keys: Sequence[ChunkKey],
+        destinations: Sequence[BlockDestination],
+    ) -> list[bool] | None:
+        return self._guard(lambda: self.tier.get_many_into(namespace, keys, destinations))
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool] | None:
         return self._guard(lambda: self.tier.contains_many(namespace, keys))

@@ -20,13 +20,15 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvstore.block import HEADER_BYTES, check_identity, verify_block
+import numpy as np
+
+from kvstore.block import HEADER_BYTES, check_identity, verify_block, verify_parts
 from kvstore.chunk import KVChunk
 from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.guarded import GuardedTier
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.tiers.base import Buffer
+from kvstore.tiers.base import BlockDestination, Buffer
 
 # Verified reads from a local tier go in windows of about this many bytes.
 VERIFY_WINDOW_BYTES = 8 << 20
@@ -81,6 +83,31 @@ def check_window(
     return outcome
 
 
+def check_copied(
+    tier: GuardedTier,
+    namespace: Namespace,
+    keys: Sequence[ChunkKey],
+    indices: Sequence[int],
+    destinations: Sequence[BlockDestination],
+) -> ReadOutcome:
+    """``check_window`` for blocks a tier copied straight into the caller's buffers."""
+    outcome = ReadOutcome()
+    for index, destination in zip(indices, destinations, strict=True):
+        key = keys[index]
+        try:
+            header = verify_parts(
+                destination.header.data, destination.payload.data, check_payload=tier.verifies_reads
+            )
+            check_identity(header, namespace, key)
+        except (CorruptBlock, LayoutMismatch):
+            outcome.bad.append(key)
+            continue
+        outcome.bytes_read += HEADER_BYTES + destination.payload.size
+        chunk = KVChunk(key, tier.kind, namespace.layout, destination.payload.data)
+        outcome.chunks.append((index, chunk))
+    return outcome
+
+
 class BlockReader:
     """Reads batches from tiers; owns the checksum worker thread."""
 
@@ -95,9 +122,7 @@ class BlockReader:
         indices: Sequence[int],
     ) -> ReadOutcome:
         """Read, verify and decode ``keys[i] for i in indices`` from ``tier``."""
-        step = len(indices)
-        if tier.verifies_reads and not tier.kind.shared:
-            step = max(1, VERIFY_WINDOW_BYTES // (HEADER_BYTES + namespace.layout.chunk_nbytes))
+        step = _window(tier, namespace, len(indices))
         if step >= len(indices):
             buffers = tier.get_many(namespace.digest, [keys[i] for i in indices])
             if buffers is None:
@@ -118,5 +143,71 @@ class BlockReader:
             outcome.merge(check.result())
         return outcome
 
+    def read_into(
+        self,
+        tier: GuardedTier,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        indices: Sequence[int],
+        payloads: Sequence[np.ndarray],
+    ) -> ReadOutcome:
+        """``read`` into the caller's buffers: ``payloads[j]`` receives ``keys[indices[j]]``.
+
+        The tier copies each payload straight into place. A block it cannot
+        place (a miss, or stored compressed, so of another size) is read the
+        ordinary way and, if found, decoded into place.
+        """
+        headers = np.empty((len(indices), HEADER_BYTES), dtype=np.uint8)
+        destinations = [BlockDestination(headers[j], payloads[j]) for j in range(len(indices))]
+        step = _window(tier, namespace, len(indices))
+        outcome = ReadOutcome()
+        checks: list[Future[ReadOutcome]] = []
+        unplaced: list[int] = []
+        for start in range(0, len(indices), step):
+            window = list(range(start, min(start + step, len(indices))))
+            copied = tier.get_many_into(
+                namespace.digest,
+                [keys[indices[j]] for j in window],
+                [destinations[j] for j in window],
+            )
+            if copied is None:
+                outcome.failed = True
+                break
+            placed = [j for j, ok in zip(window, copied, strict=True) if ok]
+            unplaced += [j for j, ok in zip(window, copied, strict=True) if not ok]
+            checks.append(
+                self._verifier.submit(
+                    check_copied,
+                    tier,
+                    namespace,
+                    keys,
+                    [indices[j] for j in placed],
+                    [destinations[j] for j in placed],
+                )
+            )
+        for check in checks:
+            outcome.merge(check.result())
+        if unplaced and not outcome.failed:
+            fallback = self.read(tier, namespace, keys, [indices[j] for j in unplaced])
+            position = {indices[j]: j for j in unplaced}
+            placed_chunks: list[tuple[int, KVChunk]] = []
+            for index, chunk in fallback.chunks:
+                target = payloads[position[index]]
+                np.copyto(target, np.frombuffer(chunk.payload, dtype=np.uint8))
+                placed_chunks.append(
+                    (index, KVChunk(chunk.key, chunk.tier, chunk.layout, target.data))
+                )
+            fallback.chunks = placed_chunks
+            outcome.merge(fallback)
+            outcome.failed = fallback.failed
+        return outcome
+
     def close(self) -> None:
         self._verifier.shutdown(wait=True)
+
+
+def _window(tier: GuardedTier, namespace: Namespace, count: int) -> int:
+    """How many blocks to read per window (all of them unless the overlap pays)."""
+    if tier.verifies_reads and not tier.kind.shared:
+        return max(1, VERIFY_WINDOW_BYTES // (HEADER_BYTES + namespace.layout.chunk_nbytes))
+    return count

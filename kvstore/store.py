@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvstore.block import HEADER_BYTES, verify_block
-from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
+from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.codec import CodecSpec
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -241,28 +241,51 @@ class TieredStore:
 
     # -- get --------------------------------------------------------------
 
-    def get(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[KVChunk | None]:
+    def get(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        *,
+        out: Sequence[ChunkData] | None = None,
+    ) -> list[KVChunk | None]:
         """The verified chunk for each key, or ``None`` (a miss). Never raises for a
-        tier that is down or a block that is corrupt: both are misses."""
+        tier that is down or a block that is corrupt: both are misses.
+
+        With ``out`` (one host buffer per key, see ``chunk.destination_bytes``)
+        each payload is copied straight into the caller's buffer and the
+        returned chunks are views of it: no allocation, one copy. The content
+        of ``out[i]`` is unspecified where ``None`` is returned.
+        """
         self.register(namespace)
         keys = list(keys)
         self._check_batch(len(keys))
-        results = self._read(namespace, keys)
+        payloads = None
+        if out is not None:
+            if len(out) != len(keys):
+                raise LayoutMismatch(f"{len(out)} destinations for {len(keys)} keys")
+            payloads = [destination_bytes(buffer, namespace.layout) for buffer in out]
+        results = self._read(namespace, keys, payloads)
         with self._lock:
             self._stats.gets += 1
             self._stats.get_misses += sum(1 for chunk in results if chunk is None)
             self._after_hits(namespace, keys, results)
         return results
 
-    def _read(self, namespace: Namespace, keys: list[ChunkKey]) -> list[KVChunk | None]:
-        """Read each key from the fastest tier that serves a good copy, pinned meanwhile."""
+    def _read(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        payloads: Sequence[np.ndarray] | None = None,
+    ) -> list[KVChunk | None]:
+        """Read each key from the fastest tier that serves a good copy, pinned meanwhile
+        (into ``payloads`` when given)."""
         results: list[KVChunk | None] = [None] * len(keys)
         with self._lock:
             self._check_open()
             pinned = self._index.pin(keys)
         try:
             for kind in self._placement.order:
-                self._read_from(kind, namespace, keys, results)
+                self._read_from(kind, namespace, keys, results, payloads)
         finally:
             with self._lock:
                 self._index.unpin(pinned)
@@ -274,6 +297,7 @@ class TieredStore:
         namespace: Namespace,
         keys: list[ChunkKey],
         results: list[KVChunk | None],
+        payloads: Sequence[np.ndarray] | None,
     ) -> None:
         """Fill the still-missing ``results`` that tier ``kind`` can serve."""
         with self._lock:
@@ -285,7 +309,11 @@ class TieredStore:
         if not wanted:
             return
         tier = self._placement.tiers[kind]
-        outcome = self._reader.read(tier, namespace, keys, wanted)
+        if payloads is None:
+            outcome = self._reader.read(tier, namespace, keys, wanted)
+        else:
+            targets = [payloads[i] for i in wanted]
+            outcome = self._reader.read_into(tier, namespace, keys, wanted, targets)
         for index, chunk in outcome.chunks:
             results[index] = chunk
         with self._lock:

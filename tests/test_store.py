@@ -475,3 +475,67 @@ def test_reopen_over_redis_restores_its_accounting(clean_redis: RedisServer) -> 
         stats = reopened.stats().tiers[REDIS]
         assert (stats.blocks, stats.used_bytes) == (4, held.used_bytes)
         assert reopened.lookup(ns, kv.tokens(4)).tiers == (REDIS,) * 4
+
+
+@pytest.mark.parametrize("tier_name", ["hbm", "dram", "ssd", "ssd-zstd", "redis"])
+def test_get_into_caller_buffers(tier_name: str, tmp_path: Path, clean_redis: RedisServer) -> None:
+    tiers = {
+        "hbm": kv.hbm(8),
+        "dram": kv.dram(8),
+        "ssd": kv.ssd(tmp_path / "lmdb"),
+        "ssd-zstd": kv.ssd(tmp_path / "lmdb", codec="zstd-byteplane:1"),
+        "redis": kv.redis(clean_redis.url),
+    }
+    with TieredStore(kv.config(tiers[tier_name])) as store:
+        ns = kv.namespace()
+        data = kv.chunks(4)
+        store.put(ns, kv.tokens(3), data[:3])
+        keys = store.keys_for(ns, kv.tokens(4, start=0))[:3] + store.keys_for(
+            ns, kv.tokens(1, start=77_000)
+        )
+        out = [torch.empty(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in range(4)]
+        got = store.get(ns, keys, out=out)
+        assert [c is not None for c in got] == [True, True, True, False]
+        for chunk, buffer, tensor in zip(got[:3], out, data, strict=False):
+            assert chunk is not None
+            assert torch.equal(buffer, tensor)  # written in place
+            assert torch.equal(chunk.tensor(), tensor)
+            assert chunk.tensor().data_ptr() == buffer.data_ptr()  # a view, not a copy
+
+
+def test_get_into_detects_corruption(tmp_path: Path) -> None:
+    import lmdb
+
+    ns = kv.namespace()
+    config = kv.config(kv.ssd(tmp_path / "lmdb"), promote_on_hit=False)
+    with TieredStore(config) as store:
+        store.put(ns, kv.tokens(2), kv.chunks(2))
+        keys = store.keys_for(ns, kv.tokens(2))
+    env = lmdb.open(str(tmp_path / "lmdb"), subdir=True)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(ns.digest + keys[1]))
+        value[-1] ^= 0x01
+        txn.put(ns.digest + keys[1], bytes(value))
+    env.close()
+    with TieredStore(config) as store:
+        out = [bytearray(kv.LAYOUT.chunk_nbytes) for _ in range(2)]
+        got = store.get(ns, keys, out=out)
+        assert [c is not None for c in got] == [True, False]
+        assert store.stats().tiers[SSD].corrupt_blocks == 1
+
+
+def test_get_into_refuses_unusable_buffers(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    two_level.put(ns, kv.tokens(1), kv.chunks(1))
+    keys = two_level.keys_for(ns, kv.tokens(1))
+    shape = kv.LAYOUT.chunk_shape
+    for bad in (
+        torch.empty(shape, dtype=torch.float32),  # wrong dtype
+        torch.empty(shape, dtype=torch.float16)[:, :, :8],  # wrong size, not contiguous
+        bytes(kv.LAYOUT.chunk_nbytes),  # read-only
+        bytearray(10),  # wrong size
+    ):
+        with pytest.raises(LayoutMismatch):
+            two_level.get(ns, keys, out=[bad])
+    with pytest.raises(LayoutMismatch):
+        two_level.get(ns, keys, out=[])

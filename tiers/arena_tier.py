@@ -28,7 +28,7 @@ from kvstore.arena import ExtentAllocator
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import ChunkKey
-from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
+from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, TierKind
 
 
 class ArenaMemory(Protocol):
@@ -97,23 +97,39 @@ class ArenaTier:
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         with self._lock:
             self._check_open()
-            extents = [self._index.get((namespace, key)) for key in keys]
-            # One output allocation per batch, not per block: a large numpy
-            # allocation is backed by huge pages, so filling it costs a handful
-            # of page faults instead of one per 4 KiB (which, for 256 KiB
-            # blocks, cost more than the copy itself).
-            out = np.empty(sum(e.nbytes for e in extents if e is not None), dtype=np.uint8)
             found: list[Buffer | None] = []
-            position = 0
-            for extent in extents:
+            for key in keys:
+                extent = self._index.get((namespace, key))
                 if extent is None:
                     found.append(None)
                     continue
-                target = out[position : position + extent.nbytes]
-                self._memory.read_into(extent.offset, target)
-                found.append(target.data)
-                position += extent.nbytes
+                # One allocation per block: blocks up to 32 MiB come from the heap,
+                # which glibc reuses once freed, so a steady stream of gets does not
+                # page-fault on every output buffer. ``get(..., out=)`` avoids the
+                # allocation altogether.
+                out = np.empty(extent.nbytes, dtype=np.uint8)
+                self._memory.read_into(extent.offset, out)
+                found.append(out.data)
             return found
+
+    def get_many_into(
+        self,
+        namespace: bytes,
+        keys: Sequence[ChunkKey],
+        destinations: Sequence[BlockDestination],
+    ) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            copied: list[bool] = []
+            for key, destination in zip(keys, destinations, strict=True):
+                extent = self._index.get((namespace, key))
+                if extent is None or extent.nbytes != HEADER_BYTES + destination.payload.size:
+                    copied.append(False)
+                    continue
+                self._memory.read_into(extent.offset, destination.header)
+                self._memory.read_into(extent.offset + HEADER_BYTES, destination.payload)
+                copied.append(True)
+            return copied
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:

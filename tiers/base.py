@@ -28,7 +28,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvstore.block import Block
+import numpy as np
+
+from kvstore.block import HEADER_BYTES, Block
 from kvstore.keys import ChunkKey
 
 Buffer = bytes | bytearray | memoryview
@@ -63,6 +65,28 @@ class StoredBlockInfo:
     header: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class BlockDestination:
+    """Where ``get_many_into`` copies one block: its header into ``header``
+    (``HEADER_BYTES`` uint8) and its payload straight into ``payload``, a uint8
+    view of the caller's own buffer (an engine's KV buffer, a pinned staging
+    area), so the payload is copied once and no memory is allocated."""
+
+    header: np.ndarray
+    payload: np.ndarray
+
+
+def scatter(stored: Buffer, destination: BlockDestination) -> bool:
+    """Copy a stored block into ``destination``; ``False`` (nothing copied) unless its
+    size is exactly header plus payload (a compressed or foreign block is not)."""
+    view = np.frombuffer(stored, dtype=np.uint8)
+    if view.size != HEADER_BYTES + destination.payload.size:
+        return False
+    np.copyto(destination.header, view[:HEADER_BYTES])
+    np.copyto(destination.payload, view[HEADER_BYTES:])
+    return True
+
+
 @runtime_checkable
 class Tier(Protocol):
     """A batched block store at one level of the hierarchy."""
@@ -75,6 +99,15 @@ class Tier(Protocol):
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         """The stored bytes (header + payload) of each key, or ``None`` if absent."""
+
+    def get_many_into(
+        self,
+        namespace: bytes,
+        keys: Sequence[ChunkKey],
+        destinations: Sequence[BlockDestination],
+    ) -> list[bool]:
+        """Copy each stored block into its destination (see ``scatter``); ``False`` for a
+        miss or a block of another size, whose destination is then left unspecified."""
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether each key is stored, without reading its value."""

@@ -62,7 +62,7 @@ import numpy as np
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
-from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
+from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, TierKind, scatter
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,21 @@ class LMDBTier:
                 # The copy must happen now: the view dies with the transaction.
                 found.append(_owned_copy(view) if view is not None else None)
             return found
+
+    def get_many_into(
+        self,
+        namespace: bytes,
+        keys: Sequence[ChunkKey],
+        destinations: Sequence[BlockDestination],
+    ) -> list[bool]:
+        """Like ``get_many``, but straight from the map into the caller's buffers."""
+        lkeys = [_lmdb_key(namespace, key) for key in keys]
+        with self._session() as env, env.begin(buffers=True) as txn:
+            copied: list[bool] = []
+            for lkey, destination in zip(lkeys, destinations, strict=True):
+                view = txn.get(lkey)
+                copied.append(view is not None and scatter(view, destination))
+            return copied
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
         lkeys = [_lmdb_key(namespace, key) for key in keys]

@@ -69,7 +69,7 @@ from redis.retry import Retry
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import ConfigError, TierFull, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
-from kvstore.tiers.base import Buffer, StoredBlockInfo, TierKind
+from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, TierKind, scatter
 
 _TIER = TierKind.REDIS.label
 _NAMESPACE_BYTES = 16
@@ -332,6 +332,19 @@ class RedisTier:
         if gone:
             self._forget(gone)  # evicted or expired by the server
         return values
+
+    def get_many_into(
+        self,
+        namespace: bytes,
+        keys: Sequence[ChunkKey],
+        destinations: Sequence[BlockDestination],
+    ) -> list[bool]:
+        """``get_many``, then each value scattered into the caller's buffers."""
+        values = self.get_many(namespace, keys)
+        return [
+            value is not None and scatter(value, destination)
+            for value, destination in zip(values, destinations, strict=True)
+        ]
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
         """Pipelined ``EXISTS`` (no value crosses the network)."""
