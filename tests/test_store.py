@@ -539,3 +539,23 @@ def test_get_into_refuses_unusable_buffers(two_level: TieredStore) -> None:
             two_level.get(ns, keys, out=[bad])
     with pytest.raises(LayoutMismatch):
         two_level.get(ns, keys, out=[])
+
+
+def test_a_full_lmdb_map_triggers_eviction_not_a_crash(tmp_path: Path) -> None:
+    """Capacity set above what the map can hold: MapFullError must become eviction."""
+    from kvstore.config import TierConfig
+
+    tier = TierConfig(SSD, 1 << 30, path=tmp_path / "lmdb", map_size_bytes=256 << 10)
+    with TieredStore(kv.config(tier)) as store:
+        ns = kv.namespace()
+        for chain in range(40):  # ~87 KiB of blocks per chain, far past a 256 KiB map
+            data = kv.chunks(40, seed=chain)
+            store.put(ns, kv.tokens(40, start=chain * 10_000), data)
+        stats = store.stats().tiers[SSD]
+        assert stats.evictions > 0
+        last = kv.tokens(40, start=39 * 10_000)
+        prefix = store.lookup(ns, last)
+        assert prefix.num_chunks > 0
+        assert_chunks_equal(
+            store, ns, list(prefix.keys), kv.chunks(40, seed=39)[: prefix.num_chunks]
+        )
