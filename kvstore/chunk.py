@@ -87,13 +87,16 @@ class KVChunk:
     """One chunk read from the store: verified payload bytes plus where they came from.
 
     ``payload`` is owned by the chunk (never a view into a tier's memory), so
-    it stays valid after the store evicts or overwrites the block.
+    it stays valid after the store evicts or overwrites the block. ``block`` is
+    the whole verified stored block (header and payload) when the payload was
+    stored raw, so a server can forward it as it is, checksum included.
     """
 
     key: ChunkKey
     tier: TierKind
     layout: KVLayout
     payload: memoryview
+    block: memoryview | None = None
 
     def tensor(self) -> torch.Tensor:
         """The chunk as a CPU tensor of the layout's shape and dtype (no copy when possible)."""

@@ -145,6 +145,7 @@ class StoreConfig:
     def from_mapping(cls, data: Mapping[str, Any], data_dir: Path | None = None) -> StoreConfig:
         """Build from the TOML structure; ``tiers`` absent means the embedded default."""
         data = dict(data)
+        data.pop("daemon", None)  # the [daemon] table belongs to kvstore.server.config
         tiers_data = data.pop("tiers", None)
         if tiers_data is None:
             tiers_data = {name: {} for name in _EMBEDDED_TIERS}

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.block import HEADER_BYTES, check_identity, verify_block, verify_parts
+from kvstore.block import HEADER_BYTES, Codec, check_identity, verify_block, verify_parts
 from kvstore.chunk import KVChunk
 from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
@@ -79,7 +79,8 @@ def check_window(
             outcome.bad.append(key)
             continue
         outcome.bytes_read += len(buffer)
-        outcome.chunks.append((index, KVChunk(key, tier.kind, namespace.layout, raw)))
+        block = memoryview(buffer) if header.codec is Codec.NONE else None
+        outcome.chunks.append((index, KVChunk(key, tier.kind, namespace.layout, raw, block)))
     return outcome
 
 

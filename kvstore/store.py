@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
@@ -53,7 +54,18 @@ from kvstore.policy import EvictionPolicy, LRUPolicy
 from kvstore.reader import BlockReader
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier, TierKind
+from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.factory import open_tier
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBlock:
+    """Where a pinned block lies in the DRAM arena's shared memory."""
+
+    key: ChunkKey
+    offset: int
+    nbytes: int
+
 
 TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
 
@@ -388,6 +400,41 @@ class TieredStore:
                 admissions.append(Admission(key, block, meta.parent))
             placement.admit(target, namespace.digest, admissions, protect=frozenset(keys))
             return placement.count_promotions(admissions, target)
+
+    @property
+    def shared_memory_name(self) -> str | None:
+        """Name of the DRAM arena's shared-memory segment (``None`` without a DRAM tier)."""
+        dram = self._dram()
+        return dram.arena.name if dram is not None else None
+
+    def share(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[SharedBlock | None]:
+        """Pin each key held in DRAM and say where its block lies in the shared arena.
+
+        For same-host clients that map the arena (``shared_memory_name``) and
+        copy blocks out themselves. Every key returned (not ``None``) stays
+        pinned, so it cannot be evicted and its extent cannot be reused, until
+        the caller ``unpin``s it. Keys not in DRAM are ``None`` and not pinned.
+        """
+        dram = self._dram()
+        shared: list[SharedBlock | None] = []
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                meta = self._index.get(key)
+                extent = None
+                if dram is not None and meta is not None and TierKind.DRAM in meta.sizes:
+                    extent = dram.extent_of(namespace.digest, key)
+                if meta is None or extent is None:
+                    shared.append(None)
+                    continue
+                meta.pins += 1
+                shared.append(SharedBlock(key, extent[0], extent[1]))
+            self._placement.touch([block.key for block in shared if block is not None])
+        return shared
+
+    def _dram(self) -> DRAMTier | None:
+        guarded = self._placement.tiers.get(TierKind.DRAM)
+        return guarded.tier if guarded is not None and isinstance(guarded.tier, DRAMTier) else None
 
     def pin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
         """Protect keys from eviction until ``unpin``; returns how many were found."""

@@ -131,6 +131,17 @@ class ArenaTier:
                 copied.append(True)
             return copied
 
+    def extent_of(self, namespace: bytes, key: ChunkKey) -> tuple[int, int] | None:
+        """``(offset, nbytes)`` of a stored block in the arena, for zero-copy sharing.
+
+        Valid while the block stays put; the store pins it for as long as a
+        client may read it through its own mapping of the arena.
+        """
+        with self._lock:
+            self._check_open()
+            extent = self._index.get((namespace, key))
+            return None if extent is None else (extent.offset, extent.nbytes)
+
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
             self._check_open()

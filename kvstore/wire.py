@@ -1,0 +1,331 @@
+"""What crosses the wire between ``kvstore serve`` and its clients, written once.
+
+Control messages are JSON. Bulk KV travels as *frames*, never base64::
+
+    +----------+-------------------------------+--------------+--------------+---
+    | u32 LE n | n bytes of JSON metadata      | block 0      | block 1      | ...
+    |          | {"namespace": hex, ...,       | (header +    | (lengths in  |
+    |          |  "blocks": [{"key": hex,      |  payload,    |  the JSON,   |
+    |          |    "length": int|null}, ...]} |  kvstore.    |  in order;   |
+    |          |                               |  block)      |  null = none)|
+    +----------+-------------------------------+--------------+--------------+---
+
+Every block on the wire is a complete stored block (``kvstore.block``), so the
+receiver verifies its checksum, key and namespace exactly as it would a block
+read from LMDB: a network transfer is a trust boundary.
+
+``FrameDecoder`` is sans-IO: it is fed bytes as they arrive (from aiohttp's
+request stream on the daemon, from an httpx response on a client) and hands
+back the metadata and then each block, so neither side buffers a whole body
+it does not need to and both share one parser.
+
+Errors are JSON ``{"error": {"code": ..., "message": ...}}`` with a stable
+``code`` and the HTTP status of ``ERRORS``; the same table maps a response
+back to the ``KVStoreError`` the embedded store would have raised.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import (
+    ConfigError,
+    CorruptBlock,
+    KVStoreError,
+    LayoutMismatch,
+    RequestTooLarge,
+    TierUnavailable,
+    UnknownNamespace,
+)
+from kvstore.keys import KEY_BYTES, ChunkKey, HashAlgo, KVLayout, Namespace
+
+API_PREFIX = "/v1"
+FRAMES_CONTENT_TYPE = "application/x-kvstore-frames"
+_LENGTH = struct.Struct("<I")
+
+
+class ErrorCode(enum.Enum):
+    """Stable error codes of the HTTP API (the ``code`` field)."""
+
+    BAD_REQUEST = "bad_request"
+    MALFORMED_BODY = "malformed_body"
+    UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
+    UNKNOWN_NAMESPACE = "unknown_namespace"
+    UNKNOWN_LEASE = "unknown_lease"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    CORRUPT_BLOCK = "corrupt_block"
+    REQUEST_TOO_LARGE = "request_too_large"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+# code -> (HTTP status, exception a client raises for it)
+ERRORS: dict[ErrorCode, tuple[int, type[KVStoreError]]] = {
+    ErrorCode.BAD_REQUEST: (400, KVStoreError),
+    ErrorCode.MALFORMED_BODY: (400, KVStoreError),
+    ErrorCode.UNAUTHORIZED: (401, KVStoreError),
+    ErrorCode.NOT_FOUND: (404, KVStoreError),
+    ErrorCode.UNKNOWN_NAMESPACE: (404, UnknownNamespace),
+    ErrorCode.UNKNOWN_LEASE: (404, KVStoreError),
+    ErrorCode.LAYOUT_MISMATCH: (422, LayoutMismatch),
+    ErrorCode.CORRUPT_BLOCK: (422, CorruptBlock),
+    ErrorCode.REQUEST_TOO_LARGE: (413, RequestTooLarge),
+    ErrorCode.UNAVAILABLE: (503, TierUnavailable),
+    ErrorCode.INTERNAL: (500, KVStoreError),
+}
+
+
+class WireError(KVStoreError):
+    """A request or response that breaks the wire format; carries its error code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def error_code_of(error: KVStoreError) -> ErrorCode:
+    """The wire code for an exception raised while serving a request."""
+    if isinstance(error, WireError):
+        return error.code
+    for exception_type, code in (
+        (UnknownNamespace, ErrorCode.UNKNOWN_NAMESPACE),
+        (LayoutMismatch, ErrorCode.LAYOUT_MISMATCH),
+        (CorruptBlock, ErrorCode.CORRUPT_BLOCK),
+        (RequestTooLarge, ErrorCode.REQUEST_TOO_LARGE),
+        (ConfigError, ErrorCode.BAD_REQUEST),
+        (TierUnavailable, ErrorCode.UNAVAILABLE),
+    ):
+        if isinstance(error, exception_type):
+            return code
+    return ErrorCode.INTERNAL
+
+
+def error_body(code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"error": {"code": code.value, "message": message}}
+
+
+def exception_from_body(status: int, body: Any) -> KVStoreError:
+    """The exception an error response stands for (unknown shapes become ``KVStoreError``)."""
+    try:
+        code = ErrorCode(body["error"]["code"])
+        message = str(body["error"]["message"])
+    except (KeyError, TypeError, ValueError):
+        return KVStoreError(f"HTTP {status} without a kvstore error body")
+    exception_type = ERRORS[code][1]
+    if exception_type is TierUnavailable:
+        return TierUnavailable("daemon", message)
+    return exception_type(f"{code.value}: {message}")
+
+
+# -- namespaces and keys ----------------------------------------------------------
+
+
+def namespace_to_json(namespace: Namespace) -> dict[str, Any]:
+    layout = namespace.layout
+    return {
+        "model": namespace.model,
+        "layout": {
+            "num_layers": layout.num_layers,
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "dtype": layout.dtype,
+            "chunk_tokens": layout.chunk_tokens,
+            "name": layout.name,
+            "page_tokens": layout.page_tokens,
+        },
+        "tenant_salt": namespace.tenant_salt,
+        "hash_algo": namespace.hash_algo.value,
+    }
+
+
+def namespace_from_json(data: Any) -> Namespace:
+    """Parse and validate a namespace; any problem is a ``bad_request``."""
+    try:
+        layout_data = data["layout"]
+        layout = KVLayout(
+            num_layers=_int(layout_data["num_layers"]),
+            num_kv_heads=_int(layout_data["num_kv_heads"]),
+            head_dim=_int(layout_data["head_dim"]),
+            dtype=str(layout_data["dtype"]),
+            chunk_tokens=_int(layout_data["chunk_tokens"]),
+            name=str(layout_data.get("name", "LKTHD")),
+            page_tokens=(
+                None if layout_data.get("page_tokens") is None else _int(layout_data["page_tokens"])
+            ),
+        )
+        salt = data.get("tenant_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError("tenant_salt must be a string")
+        model = data["model"]
+        if not isinstance(model, str) or not model:
+            raise TypeError("model must be a non-empty string")
+        return Namespace(model, layout, tenant_salt=salt, hash_algo=HashAlgo(data["hash_algo"]))
+    except (KeyError, TypeError, ValueError, ConfigError) as error:
+        raise WireError(ErrorCode.BAD_REQUEST, f"invalid namespace: {error}") from None
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def digest_from_hex(text: Any) -> bytes:
+    return _hex_bytes(text, "namespace")
+
+
+def keys_to_json(keys: Sequence[ChunkKey]) -> list[str]:
+    return [key.hex() for key in keys]
+
+
+def keys_from_json(data: Any, limit: int) -> list[ChunkKey]:
+    if not isinstance(data, list):
+        raise WireError(ErrorCode.BAD_REQUEST, "keys must be a list of hex strings")
+    if len(data) > limit:
+        raise WireError(ErrorCode.REQUEST_TOO_LARGE, f"{len(data)} keys; the limit is {limit}")
+    return [ChunkKey(_hex_bytes(item, "key")) for item in data]
+
+
+def _hex_bytes(text: Any, what: str) -> bytes:
+    try:
+        raw = bytes.fromhex(text)
+    except (TypeError, ValueError):
+        raise WireError(
+            ErrorCode.BAD_REQUEST, f"{what} must be {KEY_BYTES * 2} hex digits"
+        ) from None
+    if len(raw) != KEY_BYTES:
+        raise WireError(ErrorCode.BAD_REQUEST, f"{what} must be {KEY_BYTES * 2} hex digits")
+    return raw
+
+
+# -- frames ---------------------------------------------------------------------------
+
+
+def encode_frames(
+    meta: dict[str, Any], blocks: Sequence[bytes | memoryview]
+) -> Iterator[bytes | memoryview]:
+    """The pieces of a frames body, in order (write them without joining).
+
+    ``meta["blocks"][i]["length"]`` must already describe ``blocks`` (use
+    ``block_entries``); blocks whose length is ``None`` are absent and have no
+    bytes in the body.
+    """
+    encoded = json.dumps(meta, separators=(",", ":")).encode()
+    yield _LENGTH.pack(len(encoded))
+    yield encoded
+    yield from blocks
+
+
+def block_entries(
+    keys: Sequence[ChunkKey], blocks: Sequence[bytes | memoryview | None]
+) -> list[dict[str, Any]]:
+    """``meta["blocks"]`` for ``blocks`` (``None`` = absent)."""
+    return [
+        {"key": key.hex(), "length": None if block is None else memoryview(block).nbytes}
+        for key, block in zip(keys, blocks, strict=True)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """Bounds a decoder enforces before buffering anything."""
+
+    max_meta_bytes: int = 1 << 20
+    max_blocks: int = 4096
+    max_block_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedBlock:
+    """One block of a frames body: its position, key and bytes (``None`` if absent)."""
+
+    index: int
+    key: ChunkKey
+    data: bytes | None
+
+
+class FrameDecoder:
+    """Incremental parser of a frames body. ``feed`` bytes, then ``finish``.
+
+    ``meta`` is available once its bytes have arrived; complete blocks are
+    returned by ``feed`` in order. Anything malformed (a length field past the
+    limits, bad JSON, a block list that does not match the bytes) raises
+    ``WireError(MALFORMED_BODY)`` or ``WireError(REQUEST_TOO_LARGE)``.
+    """
+
+    def __init__(self, limits: FrameLimits | None = None) -> None:
+        self.limits = limits or FrameLimits()
+        self.meta: dict[str, Any] | None = None
+        self._buffer = bytearray()
+        self._entries: list[tuple[ChunkKey, int | None]] = []
+        self._next = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[ReceivedBlock]:
+        self._buffer += data
+        received: list[ReceivedBlock] = []
+        if self.meta is None and not self._parse_meta():
+            return received
+        while self._next < len(self._entries):
+            key, length = self._entries[self._next]
+            if length is None:
+                received.append(ReceivedBlock(self._next, key, None))
+            elif len(self._buffer) >= length:
+                received.append(ReceivedBlock(self._next, key, bytes(self._buffer[:length])))
+                del self._buffer[:length]
+            else:
+                break
+            self._next += 1
+        if self._next == len(self._entries) and self._buffer:
+            raise WireError(ErrorCode.MALFORMED_BODY, "bytes after the last block")
+        return received
+
+    def finish(self) -> None:
+        """Raise unless the body ended exactly after its last block."""
+        if self.meta is None or self._next != len(self._entries) or self._buffer:
+            raise WireError(ErrorCode.MALFORMED_BODY, "body ended before its last block")
+
+    def _parse_meta(self) -> bool:
+        if len(self._buffer) < _LENGTH.size:
+            return False
+        (length,) = _LENGTH.unpack_from(self._buffer)
+        if length > self.limits.max_meta_bytes:
+            raise WireError(ErrorCode.REQUEST_TOO_LARGE, f"metadata of {length} bytes")
+        if len(self._buffer) < _LENGTH.size + length:
+            return False
+        raw = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
+        del self._buffer[: _LENGTH.size + length]
+        try:
+            meta = json.loads(raw)
+            entries = meta["blocks"]
+            if not isinstance(entries, list):
+                raise TypeError("blocks must be a list")
+        except (ValueError, KeyError, TypeError) as error:
+            raise WireError(ErrorCode.MALFORMED_BODY, f"bad frame metadata: {error}") from None
+        if len(entries) > self.limits.max_blocks:
+            raise WireError(
+                ErrorCode.REQUEST_TOO_LARGE,
+                f"{len(entries)} blocks; the limit is {self.limits.max_blocks}",
+            )
+        for entry in entries:
+            try:
+                key = ChunkKey(_hex_bytes(entry["key"], "key"))
+                length_value = entry["length"]
+            except (KeyError, TypeError):
+                raise WireError(
+                    ErrorCode.MALFORMED_BODY, "each block needs key and length"
+                ) from None
+            if length_value is not None and (
+                not isinstance(length_value, int)
+                or isinstance(length_value, bool)
+                or not 0 < length_value <= self.limits.max_block_bytes
+            ):
+                raise WireError(ErrorCode.MALFORMED_BODY, f"bad block length {length_value!r}")
+            self._entries.append((key, length_value))
+        self.meta = meta
+        return True
