@@ -24,6 +24,7 @@ TYPECHECK := build/typecheck/kvstore
 typecheck:
 	rm -rf build/typecheck && mkdir -p $(TYPECHECK)
 	ln -s $(CURDIR)/kvstore/*.py $(TYPECHECK)/
+	ln -s $(CURDIR)/kvstore/server $(TYPECHECK)/server
 	ln -s $(CURDIR)/tiers $(TYPECHECK)/tiers
 	ln -s $(CURDIR)/predictor $(TYPECHECK)/predictor
 	ln -s $(CURDIR)/client $(TYPECHECK)/client

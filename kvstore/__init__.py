@@ -13,6 +13,7 @@ Embedded use::
 
 from kvstore.aio import AsyncTieredStore
 from kvstore.chunk import CachedPrefix, KVChunk
+from kvstore.client import connect, connect_async
 from kvstore.config import StoreConfig, TierConfig
 from kvstore.errors import (
     ConfigError,
@@ -54,5 +55,7 @@ __all__ = [
     "TieredStore",
     "UnknownNamespace",
     "chunk_keys",
+    "connect",
+    "connect_async",
     "external_keys",
 ]

@@ -47,8 +47,14 @@ class AsyncTieredStore:
             self.sync.put, namespace, tokens_or_keys, kv_chunks, session=session
         )
 
-    async def get(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[KVChunk | None]:
-        return await asyncio.to_thread(self.sync.get, namespace, keys)
+    async def get(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        *,
+        out: Sequence[ChunkData] | None = None,
+    ) -> list[KVChunk | None]:
+        return await asyncio.to_thread(self.sync.get, namespace, keys, out=out)
 
     async def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
         return await asyncio.to_thread(self.sync.delete, namespace, keys)

@@ -21,7 +21,9 @@ uvicorn keeps ``Config`` apart from ``Server``). A TOML file looks like::
 Environment variables override the file: ``KVSTORE_CONFIG`` names the file,
 ``KVSTORE_<TIER>_<FIELD>`` sets one field of one tier (``KVSTORE_DRAM_CAPACITY=8GiB``,
 ``KVSTORE_REDIS_URL=redis://...`` adds a Redis tier), and ``KVSTORE_<FIELD>``
-sets a store-wide field (``KVSTORE_PROMOTE_ON_HIT=false``).
+sets a store-wide field (``KVSTORE_PROMOTE_ON_HIT=false``). ``KVSTORE_DAEMON_*``
+and ``KVSTORE_AUTH_TOKEN`` belong to the daemon (``kvstore.server.config``), as
+does the ``[daemon]`` table of the file.
 
 With no file and no variables the store runs the embedded default: DRAM plus
 LMDB under the user's cache directory, no Redis, no GPU.
@@ -59,6 +61,8 @@ _UNITS = {
 # Capacity of a tier that is named without one; HBM must always be sized explicitly.
 _DEFAULT_CAPACITY = {TierKind.DRAM: "2GiB", TierKind.SSD: "32GiB", TierKind.REDIS: "8GiB"}
 _EMBEDDED_TIERS = ("dram", "ssd")
+# KVSTORE_* variables that are not store settings (the file name; the daemon's token).
+_NOT_STORE_VARIABLES = frozenset({"KVSTORE_CONFIG", "KVSTORE_AUTH_TOKEN"})
 
 
 def parse_size(value: int | str) -> int:
@@ -183,7 +187,9 @@ def apply_env_overrides(data: Mapping[str, Any], env: Mapping[str, str]) -> dict
         tiers = {name: dict(spec) for name, spec in data["tiers"].items()}
     tier_names = {kind.label for kind in TierKind}
     for variable, value in env.items():
-        if not variable.startswith("KVSTORE_") or variable == "KVSTORE_CONFIG":
+        if not variable.startswith("KVSTORE_") or variable in _NOT_STORE_VARIABLES:
+            continue
+        if variable.startswith("KVSTORE_DAEMON_"):  # kvstore.server.config reads these
             continue
         name = variable[len("KVSTORE_") :].lower()
         tier_name, _, tier_field = name.partition("_")

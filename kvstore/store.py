@@ -28,6 +28,7 @@ its block demoted from under it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -35,7 +36,7 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from kvstore.block import HEADER_BYTES, verify_block
+from kvstore.block import HEADER_BYTES, stored_block, verify_block
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.codec import CodecSpec
 from kvstore.config import StoreConfig
@@ -66,6 +67,9 @@ class SharedBlock:
     offset: int
     nbytes: int
 
+
+# Tiers whose contents die with the process; ``flush`` copies them down.
+_VOLATILE = frozenset({TierKind.HBM, TierKind.DRAM})
 
 TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
 
@@ -143,13 +147,7 @@ class TieredStore:
         """How many leading chunks are cached, and the fastest tier holding each."""
         self.register(namespace)
         keys = self.keys_for(namespace, tokens_or_keys)
-        self._check_batch(len(keys))
-        with self._lock:
-            self._check_open()
-            located = self._index.fastest(keys)
-        for kind in self._placement.order:
-            if kind.shared:
-                self._confirm_shared(kind, namespace, keys, located)
+        located = self.locate(namespace, keys)
         run = next((i for i, tier in enumerate(located) if tier is None), len(keys))
         with self._lock:
             self._stats.lookups += 1
@@ -161,6 +159,21 @@ class TieredStore:
             tiers=tuple(tier for tier in located[:run] if tier is not None),
             total_chunks=len(keys),
         )
+
+    def locate(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
+        """The fastest tier holding each key, or ``None``: every key, not only the
+        leading run, and nothing counted as a lookup (the daemon uses it to tell a
+        block that is elsewhere from one that is missing)."""
+        self.register(namespace)
+        keys = list(keys)
+        self._check_batch(len(keys))
+        with self._lock:
+            self._check_open()
+            located = self._index.fastest(keys)
+        for kind in self._placement.order:
+            if kind.shared:
+                self._confirm_shared(kind, namespace, keys, located)
+        return located
 
     def _confirm_shared(
         self,
@@ -512,6 +525,61 @@ class TieredStore:
                 for namespace, key in bad:
                     self._placement.forget(tier.kind, namespace, key)
         return len(bad)
+
+    def flush(self, *, deadline: float | None = None, batch: int = 64) -> int:
+        """Copy every block that only a volatile tier (HBM, DRAM) holds into the
+        first persistent tier below it; the memory copy stays. Returns how many
+        blocks were written.
+
+        Puts are write-back: a block reaches LMDB only when DRAM evicts it. A
+        daemon flushes before a graceful exit so that what it cached survives
+        the restart. Runs batch by batch with the lock held per batch, and
+        stops at the first batch boundary past ``deadline`` (``time.monotonic``).
+        """
+        target = next((kind for kind in self._placement.order if kind not in _VOLATILE), None)
+        if target is None:
+            return 0
+        written = 0
+        for kind in self._placement.order:
+            if kind not in _VOLATILE:
+                continue
+            with self._lock:
+                self._check_open()
+                held = self._index.held_by(kind)
+            for start in range(0, len(held), batch):
+                if deadline is not None and time.monotonic() > deadline:
+                    return written
+                with self._lock:
+                    self._check_open()
+                    written += self._flush_batch(kind, target, held[start : start + batch])
+        return written
+
+    def _flush_batch(
+        self, kind: TierKind, target: TierKind, entries: list[tuple[bytes, ChunkKey]]
+    ) -> int:
+        """Write ``entries`` of tier ``kind`` that no persistent tier holds into
+        ``target``. Lock held."""
+        placement = self._placement
+        tier = placement.tiers[kind]
+        by_namespace: dict[bytes, list[Admission]] = {}
+        for namespace, key in entries:
+            meta = self._index.get(key)
+            if meta is None or kind not in meta.sizes or any(t >= target for t in meta.sizes):
+                continue
+            buffers = tier.get_many(namespace, [key])
+            if not buffers or buffers[0] is None:
+                continue
+            try:
+                block = placement.reencode(stored_block(buffers[0]), target)
+            except CorruptBlock:
+                self._stats.tier(kind).corrupt_blocks += 1
+                continue
+            by_namespace.setdefault(namespace, []).append(Admission(key, block, meta.parent))
+        written = 0
+        for namespace, admissions in by_namespace.items():
+            keys = frozenset(admission.key for admission in admissions)
+            written += len(placement.admit(target, namespace, admissions, protect=keys) & keys)
+        return written
 
     # -- stats and lifecycle ------------------------------------------------
 

@@ -1,8 +1,14 @@
 """Shared fixtures. Real backends only: LMDB in a temp dir, redis-server processes
-started on free loopback ports (see ``support/redis_servers.py``)."""
+started on free loopback ports (see ``support/redis_servers.py``), ``kvstore serve``
+daemons as subprocesses (see ``support/daemon.py``)."""
 
 from __future__ import annotations
 
+from support.daemon import (  # noqa: F401  (fixtures, registered by import)
+    _shared_daemon,
+    daemon,
+    daemon_factory,
+)
 from support.redis_servers import (  # noqa: F401  (fixtures, registered by import)
     clean_redis,
     clean_redis_cluster,

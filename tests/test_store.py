@@ -559,3 +559,31 @@ def test_a_full_lmdb_map_triggers_eviction_not_a_crash(tmp_path: Path) -> None:
         assert_chunks_equal(
             store, ns, list(prefix.keys), kv.chunks(40, seed=39)[: prefix.num_chunks]
         )
+
+
+def test_locate_reports_every_key_not_only_the_leading_run(two_level: TieredStore) -> None:
+    ns = kv.namespace()
+    two_level.put(ns, kv.tokens(3), kv.chunks(3))
+    keys = two_level.keys_for(ns, kv.tokens(3))
+    two_level.demote(ns, keys[2:])
+    two_level.delete(ns, keys[:1])
+    assert two_level.locate(ns, keys) == [None, DRAM, SSD]
+    assert two_level.lookup(ns, keys).num_chunks == 0
+    assert two_level.stats().lookups == 1  # locate is not counted as a lookup
+
+
+def test_flush_copies_what_only_dram_holds_down_and_survives_reopen(tmp_path: Path) -> None:
+    ns = kv.namespace()
+    data = kv.chunks(4)
+    config = kv.config(kv.dram(64), kv.ssd(tmp_path / "lmdb"))
+    with TieredStore(config) as store:
+        store.put(ns, kv.tokens(4), data)
+        keys = store.keys_for(ns, kv.tokens(4))
+        store.demote(ns, keys[:1])  # already in LMDB: not written again
+        assert store.flush(deadline=time.monotonic() - 1) == 0  # past its deadline: stops
+        assert store.flush() == 3
+        assert store.flush() == 0
+        assert store.lookup(ns, keys).tiers == (SSD, DRAM, DRAM, DRAM)  # DRAM copies stay
+    with TieredStore(config) as store:
+        assert store.lookup(ns, keys).tiers == (SSD,) * 4
+        assert_chunks_equal(store, ns, keys, data)

@@ -1,0 +1,443 @@
+"""The client's logic, written once and without I/O.
+
+Every operation is a generator that yields the HTTP exchanges it needs, one
+at a time, receives each ``Reply``, and returns the method's result::
+
+    operation = protocol.lookup(namespace, tokens)
+    call = next(operation)                    # Call("POST", "/v1/namespaces", ...)
+    while True:
+        reply = <send call with httpx>        # the only line that differs
+        call = operation.send(reply)          # ... until StopIteration(result)
+
+``StoreClient`` (blocking) and ``AsyncStoreClient`` (asyncio) only drive
+these generators over httpx, so the orchestration is the same for both:
+register a namespace once per client, register again and retry once after
+``unknown_namespace`` (the daemon restarted), lease -> copy -> release ->
+fetch inline for shared-memory gets, back off from a daemon that failed,
+and degrade instead of raising where the engine must not stall
+(``client.failures`` says which calls degrade). An exchange that fails is
+thrown into the generator at the ``yield`` that asked for it.
+
+Input is validated before the first exchange (keys, chunk layouts, ``out``
+buffers), so a caller's mistake raises even when the daemon is down.
+
+Concurrency: one ``ClientProtocol`` serves every thread (or task) of its
+client. The namespace set, the shared-memory mapping and the back-off
+deadline are each replaced by single assignments, without a lock: the worst
+a race can do is register a namespace twice or map a segment twice, both
+harmless. The counters are updated under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from kvstore.block import encode_block
+from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
+from kvstore.client.blocks import FramesSink, LeasedBlock, Received, copy_leased, tier_of
+from kvstore.client.events import SessionEvent
+from kvstore.client.failures import from_reply, unavailable
+from kvstore.client.shm import SharedArena
+from kvstore.client.stats import ClientStats
+from kvstore.errors import KVStoreError, LayoutMismatch, TierUnavailable, UnknownNamespace
+from kvstore.keys import ChunkKey, Namespace, chunk_keys
+from kvstore.stats import StoreStats, TierCounters
+from kvstore.wire import API_PREFIX, FRAMES_CONTENT_TYPE, encode_frames, namespace_to_json
+
+T = TypeVar("T")
+TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
+
+log = logging.getLogger("kvstore.client")
+_LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One HTTP exchange an operation asks for.
+
+    ``body`` is a frames body, sent piece by piece without joining; ``sink``
+    receives a ``200`` frames answer as it streams in (any other answer is
+    read whole into ``Reply.content``). ``retry``: safe to send again when a
+    connection died before any answer (every call but events is idempotent:
+    a key names its content).
+    """
+
+    method: str
+    path: str
+    json: Any = None
+    body: tuple[bytes | memoryview, ...] | None = None
+    sink: FramesSink | None = None
+    retry: bool = True
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.body is None:
+            return {}
+        length = sum(memoryview(piece).nbytes for piece in self.body)
+        return {"Content-Type": FRAMES_CONTENT_TYPE, "Content-Length": str(length)}
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to a ``Call``; ``content`` is empty when it streamed into the sink."""
+
+    status: int
+    content: bytes = b""
+
+
+Operation = Generator[Call, Reply, T]
+
+
+class ClientProtocol:
+    """The state and operations of one client; see the module docstring.
+
+    ``shm``: get DRAM blocks through the daemon's shared-memory arena
+    (same host only); otherwise every block travels in the response body.
+    It turns off for good if the daemon has no arena or it cannot be mapped.
+    ``backoff_s``: after a failed exchange, calls degrade at once (no I/O)
+    for this long, so a hung daemon costs the engine one timeout, not one
+    per call.
+    """
+
+    def __init__(self, *, shm: bool, backoff_s: float) -> None:
+        self.shm = shm
+        self.backoff_s = backoff_s
+        self._lock = threading.Lock()
+        self._stats = ClientStats()
+        self._registered: frozenset[bytes] = frozenset()
+        self._arena: SharedArena | None = None
+        self._down_until = 0.0
+
+    def client_stats(self) -> ClientStats:
+        with self._lock:
+            return self._stats.snapshot()
+
+    def close(self) -> None:
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
+
+    # -- operations ---------------------------------------------------------
+
+    def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> Operation[CachedPrefix]:
+        keys = keys_of(namespace, tokens_or_keys)
+        nothing = CachedPrefix(namespace.chunk_tokens, (), (), len(keys))
+        if not keys:
+            return nothing
+        request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
+        try:
+            body = yield from self._namespaced(namespace, lambda: _post("/lookup", request))
+            run = _field(body, "num_chunks", int)
+            tiers = tuple(tier_of(label) for label in _field(body, "tiers", list))
+            if not 0 <= run <= len(keys) or len(tiers) != run:
+                raise unavailable(f"malformed lookup answer {body!r}")
+        except TierUnavailable:
+            with self._lock:
+                self._stats.lookups_failed += 1
+            return nothing
+        return CachedPrefix(namespace.chunk_tokens, tuple(keys[:run]), tiers, len(keys))
+
+    def put(
+        self,
+        namespace: Namespace,
+        tokens_or_keys: TokensOrKeys,
+        kv_chunks: Sequence[ChunkData | None],
+        session: str | None,
+    ) -> Operation[int]:
+        keys = keys_of(namespace, tokens_or_keys)
+        if len(kv_chunks) > len(keys):
+            raise LayoutMismatch(
+                f"{len(kv_chunks)} chunks given for {len(keys)} full chunks of tokens"
+            )
+        if not kv_chunks:
+            return 0
+        body = _frames_body(namespace, keys, kv_chunks, session)
+        try:
+            answer = yield from self._namespaced(namespace, lambda: _post("/put", body=body))
+            return _field(answer, "stored", int)
+        except TierUnavailable:
+            with self._lock:
+                self._stats.puts_dropped += 1
+            return 0
+
+    def get(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        out: Sequence[ChunkData] | None,
+    ) -> Operation[list[KVChunk | None]]:
+        keys = list(keys)
+        destinations = None
+        if out is not None:
+            if len(out) != len(keys):
+                raise LayoutMismatch(f"{len(out)} destinations for {len(keys)} keys")
+            destinations = [destination_bytes(buffer, namespace.layout) for buffer in out]
+        if not keys:
+            return []
+        try:
+            if self.shm:
+                received = yield from self._get_shared(namespace, keys, destinations)
+            else:
+                received = yield from self._get_bytes(namespace, keys, destinations)
+        except TierUnavailable:
+            with self._lock:
+                self._stats.gets_failed += 1
+            return [None] * len(keys)
+        if received.corrupt:
+            with self._lock:
+                self._stats.corrupt_blocks += received.corrupt
+        return received.chunks
+
+    def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> Operation[int]:
+        if not keys:
+            return 0
+        request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
+        answer = yield from self._namespaced(namespace, lambda: _post("/delete", request))
+        return _field(answer, "deleted", int)
+
+    def stats(self) -> Operation[StoreStats]:
+        answer = yield from self._send(Call("GET", f"{API_PREFIX}/stats"))
+        return store_stats(_field(answer, "store", dict))
+
+    def event(self, event: SessionEvent) -> Operation[None]:
+        try:
+            yield from self._send(_post("/events", event.to_json(), retry=False))
+        except TierUnavailable:
+            with self._lock:
+                self._stats.events_dropped += 1
+
+    # -- gets -----------------------------------------------------------------
+
+    def _get_bytes(
+        self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
+    ) -> Operation[Received]:
+        sink = FramesSink(namespace, keys, out)
+        request = _get_request(namespace, keys, "bytes")
+        yield from self._namespaced(namespace, lambda: _post("/get", request, sink=sink))
+        return sink.received
+
+    def _get_shared(
+        self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
+    ) -> Operation[Received]:
+        """Lease the DRAM blocks, copy them out of the mapped arena, release the
+        lease, then fetch the blocks held below DRAM as bytes."""
+        if self._arena is None:
+            yield from self._map_arena()
+            if self._arena is None:  # nothing to map: bytes from now on
+                self.shm = False
+                return (yield from self._get_bytes(namespace, keys, out))
+        request = _get_request(namespace, keys, "shm")
+        lease = yield from self._namespaced(namespace, lambda: _post("/get", request))
+        try:
+            received = self._copy_leased(lease, namespace, keys, out)
+        finally:
+            # No yield above, so this release cannot run while the operation is
+            # being closed; a lease never released expires on the daemon.
+            yield from self._release(lease)
+        if received.inline:
+            inline_out = [out[i] for i in received.inline] if out is not None else None
+            fetched = yield from self._get_bytes(
+                namespace, [keys[i] for i in received.inline], inline_out
+            )
+            for position, index in enumerate(received.inline):
+                received.chunks[index] = fetched.chunks[position]
+            received.corrupt += fetched.corrupt
+        return received
+
+    def _copy_leased(
+        self,
+        lease: Any,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        out: list[np.ndarray] | None,
+    ) -> Received:
+        name = _field(lease, "shm", str)
+        arena = self._arena
+        if arena is None or arena.name != name:  # the daemon restarted: a new segment
+            arena = self._open_arena(name)
+        entries = [LeasedBlock.parse(entry) for entry in _field(lease, "blocks", list)]
+        return copy_leased(arena, namespace, keys, entries, out)
+
+    def _map_arena(self) -> Operation[None]:
+        reply = yield from self._exchange(Call("GET", f"{API_PREFIX}/shm"))
+        if reply.status == 404:
+            log.info("the daemon has no DRAM arena to share; getting blocks as bytes")
+            return
+        try:
+            self._open_arena(_field(_checked(reply), "name", str))
+        except TierUnavailable as error:  # e.g. another /dev/shm (a container)
+            log.warning("getting blocks as bytes: %s", error)
+
+    def _open_arena(self, name: str) -> SharedArena:
+        try:
+            arena = SharedArena(name)
+        except (OSError, ValueError) as error:
+            raise unavailable(f"cannot map the daemon's arena {name!r}: {error}") from None
+        # The mapping it replaces is not closed here: another thread may still be
+        # copying out of it. It is unmapped when its last reference goes.
+        self._arena = arena
+        return arena
+
+    def _release(self, lease: Any) -> Operation[None]:
+        lease_id = lease.get("lease") if isinstance(lease, dict) else None
+        if not isinstance(lease_id, str) or not _LEASE_ID.fullmatch(lease_id):
+            return
+        try:
+            yield from self._send(_post(f"/leases/{lease_id}/release"))
+        except KVStoreError as error:
+            log.debug("lease %s not released (it will expire): %s", lease_id, error)
+
+    # -- exchanges --------------------------------------------------------------
+
+    def _namespaced(self, namespace: Namespace, make: Callable[[], Call]) -> Operation[Any]:
+        """Send a call that names ``namespace``, registering it first if this client
+        has not; after ``unknown_namespace`` register again and retry once."""
+        if namespace.digest not in self._registered:
+            yield from self._register(namespace)
+        try:
+            return (yield from self._send(make()))
+        except UnknownNamespace:
+            self._registered -= {namespace.digest}
+        yield from self._register(namespace)
+        return (yield from self._send(make()))
+
+    def _register(self, namespace: Namespace) -> Operation[None]:
+        answer = yield from self._send(_post("/namespaces", namespace_to_json(namespace)))
+        digest = _field(answer, "namespace", str)
+        if digest != namespace.digest.hex():
+            raise KVStoreError(
+                f"the daemon names namespace {namespace.model!r} {digest}, this client "
+                f"{namespace.digest.hex()}: are they different kvstore versions?"
+            )
+        self._registered |= {namespace.digest}
+
+    def _send(self, call: Call) -> Operation[Any]:
+        """One exchange: its JSON answer (``None`` if it streamed into the sink), or
+        the error it stands for (``client.failures``)."""
+        return _checked((yield from self._exchange(call)))
+
+    def _exchange(self, call: Call) -> Operation[Reply]:
+        """One exchange, unless the daemon failed less than ``backoff_s`` ago; a
+        failure (thrown in by the shell, or a 5xx) starts a new back-off."""
+        if time.monotonic() < self._down_until:
+            raise unavailable("failed recently; not retried until its back-off ends")
+        try:
+            reply = yield call
+            if reply.status >= 500:
+                raise from_reply(reply.status, reply.content)
+        except TierUnavailable:
+            self._down_until = time.monotonic() + self.backoff_s
+            raise
+        return reply
+
+
+# -- requests and answers ---------------------------------------------------------
+
+
+def keys_of(namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
+    """Chunk keys of a token sequence, or the given keys checked to be ``ChunkKey``
+    (as ``TieredStore.keys_for``: the client hashes, only keys cross the wire)."""
+    if isinstance(tokens_or_keys, torch.Tensor):
+        return chunk_keys(namespace, tokens_or_keys.detach().cpu().numpy())
+    items = list(tokens_or_keys) if not isinstance(tokens_or_keys, np.ndarray) else None
+    if items and isinstance(items[0], bytes):
+        if not all(isinstance(key, ChunkKey) for key in items):
+            raise LayoutMismatch("keys must all be ChunkKey (see kvstore.keys)")
+        return [key for key in items if isinstance(key, ChunkKey)]
+    return chunk_keys(namespace, np.asarray(tokens_or_keys))
+
+
+def _post(path: str, request: Any = None, **options: Any) -> Call:
+    return Call("POST", f"{API_PREFIX}{path}", request, **options)
+
+
+def _get_request(namespace: Namespace, keys: list[ChunkKey], transfer: str) -> dict[str, Any]:
+    return {
+        "namespace": namespace.digest.hex(),
+        "keys": [key.hex() for key in keys],
+        "transfer": transfer,
+    }
+
+
+def _frames_body(
+    namespace: Namespace,
+    keys: list[ChunkKey],
+    kv_chunks: Sequence[ChunkData | None],
+    session: str | None,
+) -> tuple[bytes | memoryview, ...]:
+    """A put's frames body: chunk ``i`` as a complete block whose parent is key ``i-1``.
+
+    Every chunk is validated (``chunk_bytes``) before anything is sent; the
+    payloads are views of the caller's data, not copies (CPU tensors).
+    """
+    blocks = [
+        None
+        if chunk is None
+        else encode_block(
+            namespace,
+            keys[index],
+            keys[index - 1] if index else None,
+            chunk_bytes(chunk, namespace.layout),
+        )
+        for index, chunk in enumerate(kv_chunks)
+    ]
+    meta = {
+        "namespace": namespace.digest.hex(),
+        "session": session,
+        "blocks": [
+            {"key": key.hex(), "length": None if block is None else block.nbytes}
+            for key, block in zip(keys, blocks, strict=False)
+        ],
+    }
+    parts = [
+        part for block in blocks if block is not None for part in (block.header, block.payload)
+    ]
+    return tuple(encode_frames(meta, parts))
+
+
+def _checked(reply: Reply) -> Any:
+    """The JSON of a ``200`` reply; the mapped error of any other."""
+    if reply.status != 200:
+        raise from_reply(reply.status, reply.content)
+    if not reply.content:
+        return None
+    try:
+        return json.loads(reply.content)
+    except ValueError:
+        raise unavailable("malformed response: not JSON") from None
+
+
+def _field(body: Any, name: str, kind: type[T]) -> T:
+    """``body[name]``, which must be a ``kind``; a daemon that answers otherwise is broken."""
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise unavailable(f"malformed response: no {kind.__name__} {name!r} in {body!r:.200}")
+    return value
+
+
+def store_stats(data: dict[str, Any]) -> StoreStats:
+    """``StoreStats.to_dict()`` parsed back; fields this version does not know are skipped."""
+    counters = {spec.name for spec in fields(TierCounters)}
+    scalars = {spec.name for spec in fields(StoreStats)} - {"tiers"}
+    try:
+        return StoreStats(
+            **{name: int(value) for name, value in data.items() if name in scalars},
+            tiers={
+                tier_of(label): TierCounters(
+                    **{name: int(value) for name, value in tier.items() if name in counters}
+                )
+                for label, tier in data.get("tiers", {}).items()
+            },
+        )
+    except (AttributeError, TypeError, ValueError):
+        raise unavailable("malformed response: bad store stats") from None

@@ -1,0 +1,198 @@
+"""``StoreClient``: the daemon's client for threads. I/O only; the logic is in
+``client.protocol``, shared with ``AsyncStoreClient`` line for line."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
+from kvstore.client.events import RequestFinished, RequestStarted, Trigger
+from kvstore.client.failures import from_transport
+from kvstore.client.protocol import Call, ClientProtocol, Operation, Reply, T, TokensOrKeys
+from kvstore.client.stats import ClientStats
+from kvstore.errors import KVStoreError
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.stats import StoreStats
+
+# Errors of a connection that died before answering (a keep-alive connection the
+# daemon closed, a daemon restart): the call is sent once more, on a new connection.
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class StoreClient:
+    """A blocking client of ``kvstore serve``: ``TieredStore``'s methods and return types.
+
+    Thread safe: share one per process; httpx pools the connections.
+    Failures degrade or raise as ``client.failures`` draws it: ``lookup``,
+    ``get``, ``put`` and the session events never raise for a daemon that is
+    down or slow (they answer nothing cached / misses / dropped within
+    ``timeout_s`` per I/O phase, and count it in ``client_stats()``), while a
+    wrong request raises its ``KVStoreError``. Usually made by
+    ``kvstore.connect``; tests pass their own httpx ``transport``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
+        timeout_s: float = 2.0,
+        shm: bool = False,
+        backoff_s: float = 1.0,
+    ) -> None:
+        self._http = httpx.Client(
+            base_url=base_url,
+            transport=transport,
+            timeout=httpx.Timeout(timeout_s),
+            headers={"Authorization": f"Bearer {token}"} if token else None,
+        )
+        self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s)
+
+    # -- the store's methods ----------------------------------------------------
+
+    def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> CachedPrefix:
+        """How many leading chunks are cached, and the fastest tier holding each."""
+        return self._run(self._protocol.lookup(namespace, tokens_or_keys))
+
+    def put(
+        self,
+        namespace: Namespace,
+        tokens_or_keys: TokensOrKeys,
+        kv_chunks: Sequence[ChunkData | None],
+        *,
+        session: str | None = None,
+    ) -> int:
+        """Store chunk ``i`` under the ``i``-th chunk key; return how many were newly stored."""
+        return self._run(self._protocol.put(namespace, tokens_or_keys, kv_chunks, session))
+
+    def get(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        *,
+        out: Sequence[ChunkData] | None = None,
+    ) -> list[KVChunk | None]:
+        """The verified chunk for each key, or ``None``; with ``out``, payloads land in
+        the caller's buffers (see ``TieredStore.get``)."""
+        return self._run(self._protocol.get(namespace, keys, out))
+
+    def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Remove keys from every tier; raises ``TierUnavailable`` if the daemon cannot."""
+        return self._run(self._protocol.delete(namespace, keys))
+
+    def stats(self) -> StoreStats:
+        """The daemon's store counters; raises ``TierUnavailable`` if it cannot answer."""
+        return self._run(self._protocol.stats())
+
+    # -- session events -----------------------------------------------------------
+
+    def request_started(
+        self,
+        session: str,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        trigger: Trigger = Trigger.USER,
+        time: float | None = None,
+    ) -> None:
+        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, time)
+        self._run(self._protocol.event(event))
+
+    def request_finished(
+        self,
+        session: str,
+        *,
+        steps: int,
+        output_tokens: int,
+        context_tokens: int,
+        loaded_tokens: int,
+        recomputed_tokens: int,
+        tool_running: bool = False,
+        time: float | None = None,
+    ) -> None:
+        event = RequestFinished(
+            session,
+            steps,
+            output_tokens,
+            context_tokens,
+            tool_running,
+            loaded_tokens,
+            recomputed_tokens,
+            time,
+        )
+        self._run(self._protocol.event(event))
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def client_stats(self) -> ClientStats:
+        """What this client degraded instead of raising (``ClientStats``)."""
+        return self._protocol.client_stats()
+
+    def close(self) -> None:
+        self._http.close()
+        self._protocol.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- I/O --------------------------------------------------------------------------
+
+    def _run(self, operation: Operation[T]) -> T:
+        """Drive one operation of ``ClientProtocol`` to its result."""
+        with contextlib.closing(operation):
+            try:
+                call = next(operation)
+                while True:
+                    try:
+                        reply = self._exchange(call)
+                    except KVStoreError as error:
+                        call = operation.throw(error)
+                    else:
+                        call = operation.send(reply)
+            except StopIteration as stop:
+                result: T = stop.value
+                return result
+
+    def _exchange(self, call: Call) -> Reply:
+        try:
+            response = self._open(call)
+            try:
+                if response.status_code == 200 and call.sink is not None:
+                    for data in response.iter_bytes():
+                        call.sink.feed(data)
+                    call.sink.finish()
+                    return Reply(200)
+                return Reply(response.status_code, response.read())
+            finally:
+                response.close()
+        except httpx.HTTPError as error:
+            raise from_transport(error) from error
+
+    def _open(self, call: Call) -> httpx.Response:
+        """Send ``call``; the response's body is left unread."""
+        try:
+            return self._http.send(self._request(call), stream=True)
+        except _STALE_CONNECTION:
+            if not call.retry:
+                raise
+            return self._http.send(self._request(call), stream=True)
+
+    def _request(self, call: Call) -> httpx.Request:
+        content: Any = None if call.body is None else iter(call.body)
+        return self._http.build_request(
+            call.method, call.path, json=call.json, content=content, headers=call.headers
+        )

@@ -1,0 +1,7 @@
+"""``python -m kvstore``: the ``kvstore`` command (see ``kvstore.cli``)."""
+
+import sys
+
+from kvstore.cli import main
+
+sys.exit(main())

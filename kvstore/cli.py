@@ -1,0 +1,176 @@
+"""``kvstore`` command line: run the daemon, or ask a running one how it is doing.
+
+::
+
+    kvstore serve [--config FILE]
+    kvstore stats [--url unix:///path/kvstore.sock | http://host:port] [--token TOKEN]
+                  [--config FILE] [--json]
+
+``stats`` finds the daemon's socket from the same config ``serve`` reads
+unless ``--url`` says otherwise; ``--token`` (or ``KVSTORE_AUTH_TOKEN``) is
+only needed over TCP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.server.config import TOKEN_VARIABLE, ServiceConfig
+from kvstore.wire import exception_from_body
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", help="TOML file (default: $KVSTORE_CONFIG, else built in)")
+    stats = commands.add_parser("stats", help="print a running daemon's statistics")
+    stats.add_argument("--url", help="unix:///path/to/kvstore.sock or http://host:port")
+    stats.add_argument("--token", help=f"bearer token for TCP (default: ${TOKEN_VARIABLE})")
+    stats.add_argument("--config", help="find the socket from this config file")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON")
+    stats.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args.config)
+    return _stats(args)
+
+
+def _serve(config_path: str | None) -> int:
+    from kvstore.server.run import Server, StartupError, configure_logging
+
+    try:
+        config = ServiceConfig.load(config_path)
+    except ConfigError as error:
+        print(f"kvstore serve: {error}", file=sys.stderr)
+        return 2
+    configure_logging(config.daemon)
+    try:
+        return Server(config).run()
+    except StartupError as error:
+        print(f"kvstore serve: {error}", file=sys.stderr)
+        return 1
+    except KVStoreError as error:  # the store could not open (a tier, a path)
+        print(f"kvstore serve: cannot open the store: {error}", file=sys.stderr)
+        return 1
+
+
+def _stats(args: argparse.Namespace) -> int:
+    url = args.url
+    if url is None:
+        try:
+            url = f"unix://{ServiceConfig.load(args.config).daemon.socket_path}"
+        except ConfigError as error:
+            print(f"kvstore stats: {error}", file=sys.stderr)
+            return 2
+    token = args.token or os.environ.get(TOKEN_VARIABLE)
+    try:
+        data = fetch_stats(url, token=token, timeout_s=args.timeout)
+    except (httpx.HTTPError, KVStoreError) as error:
+        print(f"kvstore stats: {url}: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2) if args.json else format_stats(data))
+    return 0
+
+
+def fetch_stats(url: str, *, token: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """``GET /v1/stats`` of the daemon at ``url`` (``unix://`` path or ``http://``)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if url.startswith("unix://"):
+        transport = httpx.HTTPTransport(uds=url[len("unix://") :])
+        base = "http://kvstore"
+    else:
+        transport = httpx.HTTPTransport()
+        base = url.rstrip("/")
+    with httpx.Client(transport=transport, base_url=base, timeout=timeout_s) as client:
+        response = client.get("/v1/stats", headers=headers)
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code != 200:
+        raise exception_from_body(response.status_code, body)
+    if not isinstance(body, dict):
+        raise KVStoreError("the daemon answered /v1/stats without a JSON object")
+    return body
+
+
+def format_stats(data: dict[str, Any]) -> str:
+    """A human-readable table of a ``/v1/stats`` answer."""
+    daemon = data.get("daemon", {})
+    store = data.get("store", {})
+    lines = [
+        f"kvstore daemon  pid {daemon.get('pid')}  up {_duration(daemon.get('uptime_s', 0))}"
+        f"  requests {daemon.get('requests_served', 0)}"
+        f"  leases {daemon.get('leases_outstanding', 0)}"
+        f" ({daemon.get('leased_blocks', 0)} blocks)",
+        "listening: " + ", ".join(daemon.get("listening", [])),
+        "",
+    ]
+    columns = [
+        ("tier", None),
+        ("blocks", "blocks"),
+        ("used", "used_bytes"),
+        ("capacity", "capacity_bytes"),
+        ("hits", "hits"),
+        ("read", "bytes_read"),
+        ("written", "bytes_written"),
+        ("demoted", "demotions"),
+        ("evicted", "evictions"),
+        ("promoted", "promotions"),
+        ("corrupt", "corrupt_blocks"),
+        ("errors", "errors"),
+    ]
+    rows = [[name for name, _ in columns]]
+    for tier, counters in store.get("tiers", {}).items():
+        row = [tier]
+        for _, field in columns[1:]:
+            value = counters.get(field, 0)
+            row.append(_bytes(value) if field and "bytes" in field else str(value))
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    for row in rows:
+        cells = [cell.rjust(width) for cell, width in zip(row, widths, strict=True)]
+        cells[0] = row[0].ljust(widths[0])
+        lines.append("  ".join(cells).rstrip())
+    asked = store.get("lookup_tokens", 0)
+    hit = store.get("lookup_hit_tokens", 0)
+    rate = f"{100 * hit / asked:.1f}%" if asked else "-"
+    lines += [
+        "",
+        f"lookups {store.get('lookups', 0)}  tokens {asked}  cached {hit} ({rate})",
+        f"gets {store.get('gets', 0)}  chunk misses {store.get('get_misses', 0)}"
+        f"  puts {store.get('puts', 0)}  chunks stored {store.get('chunks_stored', 0)}"
+        f"  dropped {store.get('puts_dropped', 0)}",
+    ]
+    return "\n".join(lines)
+
+
+def _bytes(value: int) -> str:
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB"):
+        if amount < 1024:
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    return f"{amount:.1f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    seconds = float(seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Prometheus metrics of one daemon, in a registry of its own.
+
+Not the process-wide default registry: a test (or a process) can run several
+apps side by side, and each scrapes only its own numbers.
+
+Two sources:
+
+* HTTP traffic and client reports are counted as they happen
+  (``DaemonMetrics``): requests by route and status, latency by route,
+  session events, and the tokens clients loaded from cache versus recomputed.
+* The store's own counters are read at scrape time (``StoreCollector``), from
+  one ``TieredStore.stats()`` snapshot, so they are never out of step with
+  ``/v1/stats`` and nothing has to mirror them::
+
+      kvstore_tier_hits_total{tier}            chunks served by each tier
+      kvstore_chunk_misses_total               chunks asked for and not found
+      kvstore_tier_used_bytes{tier}            ... and capacity, blocks, bytes
+      kvstore_tier_evictions_total{tier}       dropped for good from the last tier
+      kvstore_tier_demotions_total{tier}       written back to the next tier down
+      kvstore_tier_promotions_total{tier}      copied up from this tier
+      kvstore_tier_corrupt_blocks_total{tier}  failed verification, purged
+      kvstore_leases_outstanding               shared-memory leases not yet released
+
+A miss has no tier (it is a miss in all of them), so misses are one counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.server.events import RequestFinished, SessionEvent
+from kvstore.server.leases import LeaseTable
+from kvstore.store import TieredStore
+
+# Latency buckets from a cached lookup (sub-millisecond) to a large put (seconds).
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+# (metric suffix, TierCounters field, help) of the per-tier counters.
+_TIER_COUNTERS = (
+    ("hits", "hits", "Chunks served by the tier."),
+    ("bytes_read", "bytes_read", "Stored bytes read from the tier."),
+    ("bytes_written", "bytes_written", "Stored bytes written to the tier."),
+    ("evictions", "evictions", "Blocks dropped from the tier with no copy below."),
+    ("demotions", "demotions", "Blocks written back from the tier to the next one down."),
+    ("promotions", "promotions", "Blocks copied up from the tier to a faster one."),
+    ("corrupt_blocks", "corrupt_blocks", "Blocks of the tier that failed verification."),
+    ("errors", "errors", "Backend errors of the tier (each cost a miss)."),
+)
+_TIER_GAUGES = (
+    ("used_bytes", "used_bytes", "Stored bytes the tier holds."),
+    ("capacity_bytes", "capacity_bytes", "Configured capacity of the tier."),
+    ("blocks", "blocks", "Blocks the tier holds."),
+)
+# (metric name, StoreStats field, help) of the store-wide counters.
+_STORE_COUNTERS = (
+    ("kvstore_lookups", "lookups", "Lookups served."),
+    ("kvstore_lookup_tokens", "lookup_tokens", "Tokens asked about in lookups."),
+    ("kvstore_lookup_hit_tokens", "lookup_hit_tokens", "Tokens lookups found cached."),
+    ("kvstore_gets", "gets", "Get requests served."),
+    ("kvstore_chunk_misses", "get_misses", "Chunks asked for by a get and not found."),
+    ("kvstore_puts", "puts", "Put requests served."),
+    ("kvstore_chunks_stored", "chunks_stored", "Chunks newly stored by puts."),
+    ("kvstore_puts_dropped", "puts_dropped", "Chunks a put could not place in any tier."),
+)
+
+
+class StoreCollector(Collector):
+    """Reads the store's counters and the lease table at scrape time."""
+
+    def __init__(self, store: TieredStore, leases: LeaseTable) -> None:
+        self._store = store
+        self._leases = leases
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._store.stats()
+        for suffix, attribute, text in _TIER_COUNTERS:
+            counter = CounterMetricFamily(f"kvstore_tier_{suffix}", text, labels=["tier"])
+            for kind, counters in sorted(stats.tiers.items()):
+                counter.add_metric([kind.label], getattr(counters, attribute))
+            yield counter
+        for suffix, attribute, text in _TIER_GAUGES:
+            gauge = GaugeMetricFamily(f"kvstore_tier_{suffix}", text, labels=["tier"])
+            for kind, counters in sorted(stats.tiers.items()):
+                gauge.add_metric([kind.label], getattr(counters, attribute))
+            yield gauge
+        for name, attribute, text in _STORE_COUNTERS:
+            yield CounterMetricFamily(name, text, value=getattr(stats, attribute))
+        yield GaugeMetricFamily(
+            "kvstore_leases_outstanding",
+            "Shared-memory leases granted and not yet released or expired.",
+            value=len(self._leases),
+        )
+        yield GaugeMetricFamily(
+            "kvstore_leased_blocks",
+            "DRAM blocks pinned by outstanding leases.",
+            value=self._leases.pinned_blocks,
+        )
+
+
+class DaemonMetrics:
+    """The registry of one app and the metrics counted as requests arrive."""
+
+    def __init__(self, store: TieredStore, leases: LeaseTable) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvstore_http_requests",
+            "HTTP requests answered, by route, method and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvstore_http_request_duration_seconds",
+            "Time from request to the end of the response, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.events = Counter(
+            "kvstore_client_events",
+            "Session events reported by clients, by event.",
+            ["event"],
+            registry=self.registry,
+        )
+        self.client_tokens = Counter(
+            "kvstore_client_tokens",
+            "Prompt tokens clients loaded from the cache or recomputed, as they report.",
+            ["source"],
+            registry=self.registry,
+        )
+        # Export both label values from the first scrape, before any report.
+        self.client_tokens.labels(source="cache")
+        self.client_tokens.labels(source="recompute")
+        self.registry.register(StoreCollector(store, leases))
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, method=method, status=str(status)).inc()
+        self.latency.labels(route=route).observe(seconds)
+
+    def observe_event(self, event: SessionEvent) -> None:
+        self.events.labels(event=event.kind.value).inc()
+        if isinstance(event, RequestFinished):
+            self.client_tokens.labels(source="cache").inc(event.loaded_tokens)
+            self.client_tokens.labels(source="recompute").inc(event.recomputed_tokens)

@@ -1,0 +1,470 @@
+"""The client's logic without a daemon: the sans-IO operations driven by hand, the
+block verification fed tampered bytes, and both shells over an httpx ``MockTransport``
+(a transport swapped in, nothing patched)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from support import kv
+from support.clients import FLAVOURS, Face, opened
+
+from kvstore import (
+    CorruptBlock,
+    KVStoreError,
+    LayoutMismatch,
+    RequestTooLarge,
+    TierKind,
+    TierUnavailable,
+    chunk_keys,
+)
+from kvstore.block import encode_block
+from kvstore.chunk import chunk_bytes
+from kvstore.client import AsyncStoreClient, ClientStats, StoreClient
+from kvstore.client.address import TOKEN_ENV, Address, Scheme, bearer_token
+from kvstore.client.blocks import FramesSink, LeasedBlock, copy_leased
+from kvstore.client.protocol import Call, ClientProtocol, Reply
+from kvstore.client.shm import SharedArena
+from kvstore.errors import ConfigError
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.wire import ErrorCode, encode_frames, error_body
+
+NS = kv.namespace(salt="protocol")
+TOKENS = kv.tokens(3)
+KEYS = chunk_keys(NS, TOKENS)
+CHUNKS = kv.chunks(3)
+
+
+def block_bytes(namespace: Namespace, key: ChunkKey, chunk: torch.Tensor) -> bytes:
+    return encode_block(namespace, key, None, chunk_bytes(chunk, namespace.layout)).to_bytes()
+
+
+BLOCKS = [block_bytes(NS, key, chunk) for key, chunk in zip(KEYS, CHUNKS, strict=True)]
+
+
+def frames(blocks: list[bytes | None], keys: list[ChunkKey] = KEYS) -> bytes:
+    entries = [
+        {"key": key.hex(), "length": None if block is None else len(block), "tier": "dram"}
+        for key, block in zip(keys, blocks, strict=True)
+    ]
+    present = [block for block in blocks if block is not None]
+    return b"".join(encode_frames({"blocks": entries}, present))
+
+
+def flip(data: bytes, offset: int) -> bytes:
+    tampered = bytearray(data)
+    tampered[offset] ^= 0x01
+    return bytes(tampered)
+
+
+def feed_in_pieces(sink: FramesSink, body: bytes, size: int = 777) -> None:
+    for start in range(0, len(body), size):
+        sink.feed(body[start : start + size])
+    sink.finish()
+
+
+def payload_of(chunk: Any) -> bytes:
+    return bytes(chunk.payload)
+
+
+def expected(index: int) -> bytes:
+    return CHUNKS[index].view(torch.uint8).numpy().tobytes()
+
+
+# -- addresses -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme", "base_url", "path"),
+    [
+        (
+            "unix:///run/kvstore/kvstore.sock",
+            Scheme.UNIX,
+            "http://kvstore",
+            "/run/kvstore/kvstore.sock",
+        ),
+        ("http://127.0.0.1:8470", Scheme.HTTP, "http://127.0.0.1:8470", None),
+        ("embedded://", Scheme.EMBEDDED, "embedded://", None),
+        (
+            "embedded:///etc/kvstore.toml",
+            Scheme.EMBEDDED,
+            "embedded:///etc/kvstore.toml",
+            "/etc/kvstore.toml",
+        ),
+    ],
+)
+def test_address_forms(url: str, scheme: Scheme, base_url: str, path: str | None) -> None:
+    assert Address.parse(url) == Address(scheme, base_url, path)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://localhost", "unix://relative.sock", "http://host:1/prefix", "embedded://x"]
+)
+def test_address_rejects(url: str) -> None:
+    with pytest.raises(ConfigError):
+        Address.parse(url)
+
+
+def test_token_from_the_environment_over_tcp_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert bearer_token(Address.parse("http://127.0.0.1:1"), None) == "from-env"
+    assert bearer_token(Address.parse("http://127.0.0.1:1"), "given") == "given"
+    assert bearer_token(Address.parse("unix:///tmp/x.sock"), "given") is None
+
+
+# -- received blocks -------------------------------------------------------------------
+
+
+def test_frames_sink_turns_every_bad_block_into_a_counted_miss() -> None:
+    other = kv.namespace(salt="another tenant")
+    keys = [*KEYS, *chunk_keys(NS, kv.tokens(2, start=10_000))]
+    blocks: list[bytes | None] = [
+        BLOCKS[0],  # good
+        flip(BLOCKS[1], 1000),  # a payload bit flipped in transit
+        BLOCKS[0],  # a good block, but of another key
+        block_bytes(other, keys[3], CHUNKS[0]),  # the right key, another namespace
+        None,  # not cached
+    ]
+    sink = FramesSink(NS, keys, None)
+    feed_in_pieces(sink, frames(blocks, keys))
+    assert [chunk is not None for chunk in sink.received.chunks] == [
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
+    assert sink.received.corrupt == 3
+    first = sink.received.chunks[0]
+    assert first is not None and first.tier is TierKind.DRAM and first.key == KEYS[0]
+    assert payload_of(first) == expected(0)
+    assert torch.equal(first.tensor(), CHUNKS[0])
+
+
+def test_frames_sink_writes_payloads_into_out_buffers() -> None:
+    out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS]
+    destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
+    sink = FramesSink(NS, KEYS, destinations)
+    feed_in_pieces(sink, frames([BLOCKS[0], None, BLOCKS[2]]), size=100)
+    assert torch.equal(out[0], CHUNKS[0]) and torch.equal(out[2], CHUNKS[2])
+    chunk = sink.received.chunks[2]
+    assert chunk is not None
+    assert np.shares_memory(np.frombuffer(chunk.payload, dtype=np.uint8), destinations[2])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        frames(BLOCKS)[:-1],  # truncated
+        frames(BLOCKS) + b"x",  # trailing bytes
+        frames(BLOCKS[:2], KEYS[:2]),  # fewer blocks than keys asked for
+        b"\xff\xff\xff\x7f{",  # absurd metadata length
+    ],
+    ids=["truncated", "trailing", "short", "huge-meta"],
+)
+def test_frames_sink_refuses_a_malformed_body_as_the_daemon_failing(body: bytes) -> None:
+    sink = FramesSink(NS, KEYS, None)
+    with pytest.raises(TierUnavailable):
+        feed_in_pieces(sink, body)
+
+
+@pytest.fixture
+def arena() -> Any:
+    segment = shared_memory.SharedMemory(create=True, size=64 << 10)
+    try:
+        for index, block in enumerate(BLOCKS):
+            segment.buf[index * 8192 : index * 8192 + len(block)] = block
+        segment.buf[8192 + 200] ^= 0x01  # block 1 changed in shared memory
+        mapped = SharedArena(segment.name)
+        try:
+            yield mapped
+        finally:
+            mapped.close()
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+@pytest.mark.parametrize("into_out", [False, True])
+def test_copy_leased_verifies_what_it_copied(arena: SharedArena, into_out: bool) -> None:
+    size = len(BLOCKS[0])
+    keys = [*KEYS, *chunk_keys(NS, kv.tokens(3, start=10_000))]
+    entries = [
+        LeasedBlock(0, size, TierKind.DRAM, inline=False),
+        LeasedBlock(8192, size, TierKind.DRAM, inline=False),  # tampered in the arena
+        LeasedBlock(16384, size, TierKind.DRAM, inline=False),
+        LeasedBlock(60 << 10, size, TierKind.DRAM, inline=False),  # runs past the arena
+        LeasedBlock(None, None, None, inline=True),
+        LeasedBlock(None, None, None, inline=False),  # missing
+    ]
+    out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in keys]
+    destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
+    received = copy_leased(arena, NS, keys, entries, destinations if into_out else None)
+    assert [chunk is not None for chunk in received.chunks] == [True, False, True] + [False] * 3
+    assert received.corrupt == 2 and received.inline == [4]
+    for index in (0, 2):
+        chunk = received.chunks[index]
+        assert chunk is not None and payload_of(chunk) == expected(index)
+        assert torch.equal(out[index], CHUNKS[index]) is into_out
+    with pytest.raises(CorruptBlock):
+        arena.block(-1, 10)
+
+
+def test_lease_entries_that_make_no_sense_are_the_daemon_failing() -> None:
+    with pytest.raises(TierUnavailable):
+        LeasedBlock.parse({"key": KEYS[0].hex(), "offset": "x", "length": 1, "tier": "dram"})
+    with pytest.raises(TierUnavailable):
+        LeasedBlock.parse({"key": KEYS[0].hex(), "offset": 0, "length": 1, "tier": "floppy"})
+
+
+# -- operations, driven by hand ---------------------------------------------------------
+
+
+def ok(body: Any) -> Reply:
+    return Reply(200, json.dumps(body).encode())
+
+
+def error(status: int, code: ErrorCode) -> Reply:
+    return Reply(status, json.dumps(error_body(code, "from the test")).encode())
+
+
+def test_lookup_registers_once_then_asks_with_keys() -> None:
+    protocol = ClientProtocol(shm=False, backoff_s=0.0)
+    operation = protocol.lookup(NS, TOKENS)
+    call = next(operation)
+    assert (call.method, call.path) == ("POST", "/v1/namespaces")
+    assert call.json["layout"]["chunk_tokens"] == kv.LAYOUT.chunk_tokens
+    call = operation.send(ok({"namespace": NS.digest.hex()}))
+    assert call == Call(
+        "POST", "/v1/lookup", {"namespace": NS.digest.hex(), "keys": [k.hex() for k in KEYS]}
+    )
+    with pytest.raises(StopIteration) as done:
+        operation.send(
+            ok({"num_chunks": 2, "chunk_tokens": 16, "total_chunks": 3, "tiers": ["dram", "ssd"]})
+        )
+    prefix = done.value.value
+    assert prefix.keys == tuple(KEYS[:2]) and prefix.tiers == (TierKind.DRAM, TierKind.SSD)
+    assert prefix.num_tokens == 2 * kv.LAYOUT.chunk_tokens and prefix.total_chunks == 3
+    # Registered now: the next operation asks straight away.
+    assert next(protocol.lookup(NS, TOKENS)).path == "/v1/lookup"
+
+
+def test_unknown_namespace_registers_again_and_retries_once() -> None:
+    protocol = ClientProtocol(shm=False, backoff_s=0.0)
+    operation = protocol.delete(NS, KEYS)
+    assert next(operation).path == "/v1/namespaces"
+    assert operation.send(ok({"namespace": NS.digest.hex()})).path == "/v1/delete"
+    assert operation.send(error(404, ErrorCode.UNKNOWN_NAMESPACE)).path == "/v1/namespaces"
+    assert operation.send(ok({"namespace": NS.digest.hex()})).path == "/v1/delete"
+    with pytest.raises(StopIteration) as done:
+        operation.send(ok({"deleted": 3}))
+    assert done.value.value == 3
+
+
+def test_a_daemon_hashing_namespaces_differently_is_refused() -> None:
+    operation = ClientProtocol(shm=False, backoff_s=0.0).lookup(NS, TOKENS)
+    next(operation)
+    with pytest.raises(KVStoreError, match="different kvstore versions"):
+        operation.send(ok({"namespace": "00" * 16}))
+
+
+def test_caller_mistakes_raise_before_any_exchange() -> None:
+    protocol = ClientProtocol(shm=False, backoff_s=0.0)
+    wrong_dtype = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float32)]
+    with pytest.raises(LayoutMismatch):
+        next(protocol.put(NS, TOKENS, wrong_dtype, None))
+    with pytest.raises(LayoutMismatch):
+        next(protocol.put(NS, TOKENS, kv.chunks(4), None))  # more chunks than keys
+    with pytest.raises(LayoutMismatch):
+        next(protocol.get(NS, KEYS, [bytearray(10)] * 3))
+    with pytest.raises(LayoutMismatch):
+        next(protocol.get(NS, KEYS, [bytearray(kv.LAYOUT.chunk_nbytes)]))
+
+
+# -- both shells over a mock transport -----------------------------------------------
+
+
+class FakeDaemon:
+    """Answers the API from a dict of blocks; ``script`` overrides the next answers."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, bytes] = {}
+        self.paths: list[str] = []
+        self.script: list[httpx.Response | Exception] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        if self.script:
+            outcome = self.script.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        route = request.url.path.removeprefix("/v1/")
+        if route == "namespaces":
+            return httpx.Response(200, json={"namespace": NS.digest.hex()})
+        if route == "events":
+            return httpx.Response(200, json={"accepted": True})
+        body = json.loads(request.content)
+        if route == "lookup":
+            run = next(
+                (i for i, key in enumerate(body["keys"]) if key not in self.blocks),
+                len(body["keys"]),
+            )
+            return httpx.Response(200, json={"num_chunks": run, "tiers": ["dram"] * run})
+        if route == "get":
+            keys = [ChunkKey(bytes.fromhex(key)) for key in body["keys"]]
+            return httpx.Response(
+                200, content=frames([self.blocks.get(k) for k in body["keys"]], keys)
+            )
+        raise AssertionError(f"unexpected {request.url.path}")
+
+
+def mock_client(flavour: str, daemon: FakeDaemon, backoff_s: float = 0.0) -> Face:
+    transport = httpx.MockTransport(daemon)
+    client_type = StoreClient if flavour == "sync" else AsyncStoreClient
+    return Face(client_type("http://kvstore", transport=transport, backoff_s=backoff_s))
+
+
+def scenario(flavour: str, body: Callable[[Face, FakeDaemon], Any], backoff_s: float = 0.0) -> None:
+    daemon = FakeDaemon()
+
+    async def run() -> None:
+        client = mock_client(flavour, daemon, backoff_s)
+        try:
+            await body(client, daemon)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def failing(status: int, code: ErrorCode) -> httpx.Response:
+    return httpx.Response(status, json=error_body(code, "from the test"))
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_block_tampered_in_transit_is_never_returned(flavour: str) -> None:
+    async def body(client: Face, daemon: FakeDaemon) -> None:
+        daemon.blocks = {KEYS[0].hex(): BLOCKS[0], KEYS[1].hex(): flip(BLOCKS[1], 100)}
+        chunks = await client.get(NS, KEYS)
+        assert chunks[0] is not None and payload_of(chunks[0]) == expected(0)
+        assert chunks[1] is None and chunks[2] is None
+        assert (await client.client_stats()).corrupt_blocks == 1
+
+    scenario(flavour, body)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_failing_daemon_degrades_where_the_engine_must_not_stall(flavour: str) -> None:
+    async def body(client: Face, daemon: FakeDaemon) -> None:
+        await client.lookup(NS, KEYS)  # registered
+        daemon.script = [failing(500, ErrorCode.INTERNAL)]
+        assert (await client.lookup(NS, KEYS)).num_tokens == 0
+        daemon.script = [httpx.Response(200, content=b"not json")]
+        assert await client.put(NS, TOKENS, CHUNKS) == 0
+        daemon.script = [failing(503, ErrorCode.UNAVAILABLE)]
+        assert await client.get(NS, KEYS) == [None] * 3
+        daemon.script = [httpx.ReadTimeout("too slow")]
+        await client.request_started("s", prompt_tokens=10, cached_tokens=0)
+        stats = await client.client_stats()
+        assert (stats.lookups_failed, stats.puts_dropped, stats.gets_failed) == (1, 1, 1)
+        assert stats.events_dropped == 1
+        # Facts the client cannot make up raise instead.
+        daemon.script = [failing(503, ErrorCode.UNAVAILABLE)]
+        with pytest.raises(TierUnavailable):
+            await client.delete(NS, KEYS)
+        daemon.script = [httpx.ConnectError("refused")]
+        with pytest.raises(TierUnavailable):
+            await client.stats()
+
+    scenario(flavour, body)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_after_a_failure_the_daemon_is_left_alone_for_the_backoff(flavour: str) -> None:
+    async def body(client: Face, daemon: FakeDaemon) -> None:
+        daemon.script = [httpx.ConnectError("refused")]
+        assert (await client.lookup(NS, KEYS)).num_tokens == 0
+        assert await client.get(NS, KEYS) == [None] * 3
+        assert await client.put(NS, TOKENS, CHUNKS) == 0
+        with pytest.raises(TierUnavailable, match="back-off"):
+            await client.delete(NS, KEYS)
+        assert daemon.paths == ["/v1/namespaces"]  # one try, then none until the back-off ends
+
+    scenario(flavour, body, backoff_s=60.0)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize(
+    ("status", "code", "raised"),
+    [
+        (401, ErrorCode.UNAUTHORIZED, KVStoreError),
+        (422, ErrorCode.LAYOUT_MISMATCH, LayoutMismatch),
+        (413, ErrorCode.REQUEST_TOO_LARGE, RequestTooLarge),
+    ],
+)
+def test_a_wrong_request_raises(flavour: str, status: int, code: ErrorCode, raised: type) -> None:
+    async def body(client: Face, daemon: FakeDaemon) -> None:
+        await client.lookup(NS, KEYS)  # registered
+        daemon.script = [failing(status, code)]
+        with pytest.raises(raised, match=code.value):
+            await client.put(NS, TOKENS, CHUNKS)
+        assert await client.client_stats() == ClientStats()
+
+    scenario(flavour, body)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_connection_dead_before_answering_is_retried_once(flavour: str) -> None:
+    async def body(client: Face, daemon: FakeDaemon) -> None:
+        daemon.blocks = {KEYS[0].hex(): BLOCKS[0]}
+        daemon.script = [httpx.RemoteProtocolError("Server disconnected")]
+        assert (await client.lookup(NS, KEYS)).num_chunks == 1
+        assert daemon.paths == ["/v1/namespaces", "/v1/namespaces", "/v1/lookup"]
+        # Events are not idempotent: not sent twice, dropped instead.
+        daemon.script = [httpx.RemoteProtocolError("Server disconnected")]
+        await client.request_finished(
+            "s", steps=1, output_tokens=1, context_tokens=2, loaded_tokens=1, recomputed_tokens=1
+        )
+        assert (await client.client_stats()).events_dropped == 1
+
+    scenario(flavour, body)
+
+
+def test_the_token_is_sent_as_a_bearer_header() -> None:
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={"accepted": True})
+
+    with StoreClient(
+        "http://kvstore", transport=httpx.MockTransport(handler), token="t0k"
+    ) as client:
+        client.request_started("s", prompt_tokens=1, cached_tokens=0)
+    assert seen == ["Bearer t0k"]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_no_daemon_at_all_is_a_degraded_answer_and_leaks_no_socket(
+    flavour: str, tmp_path: Path
+) -> None:
+    """The blocking Unix transport closes the socket of a refused connect (httpcore's
+    own leaves it to the garbage collector: a ResourceWarning, an error here)."""
+
+    async def run() -> None:
+        async with opened(flavour, f"unix://{tmp_path}/absent.sock", backoff_s=0.0) as store:
+            for _ in range(3):
+                assert (await store.lookup(NS, TOKENS)).num_tokens == 0
+            assert (await store.client_stats()).lookups_failed == 3
+
+    asyncio.run(run())

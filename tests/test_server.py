@@ -1,0 +1,251 @@
+"""The daemon's routes against a real ``kvstore serve`` subprocess (DRAM + LMDB), spoken
+in raw HTTP over its Unix socket: every route's happy path, bit-for-bit round trips
+through bytes and shared memory, error codes, and the operational routes."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import http_kv
+from support.daemon import Daemon
+from support.http_kv import error_code, get_bytes, lookup, make_chain, put, register
+
+from kvstore import cli
+from kvstore.block import check_identity, verify_block
+from kvstore.keys import Namespace
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[httpx.Client]:
+    with daemon.client() as client:
+        yield client
+
+
+@pytest.fixture
+def ns(request: pytest.FixtureRequest, client: httpx.Client) -> Namespace:
+    namespace = http_kv.namespace_for(request.node.name)
+    register(client, namespace)
+    return namespace
+
+
+def test_health_readiness_and_socket_mode(daemon: Daemon, client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"ok": True}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json() == {"ready": True, "degraded": []}
+    assert stat.S_IMODE(os.stat(daemon.socket_path).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(daemon.socket_path).st_mode)
+
+
+def test_register_is_idempotent(client: httpx.Client, ns: Namespace) -> None:
+    register(client, ns)  # again: same digest, still 200
+    bad = client.post("/v1/namespaces", json={"model": "m", "layout": {"num_layers": 1}})
+    assert bad.status_code == 400 and error_code(bad) == "bad_request"
+
+
+def test_put_then_bytes_get_round_trips_bit_for_bit(client: httpx.Client, ns: Namespace) -> None:
+    chain = make_chain(ns, 6)
+    assert lookup(client, ns, chain.keys) == {
+        "num_chunks": 0,
+        "chunk_tokens": ns.chunk_tokens,
+        "total_chunks": 6,
+        "tiers": [],
+    }
+    assert put(client, chain, session="agent-1") == 6
+    assert put(client, chain) == 0  # already held: nothing rewritten
+    assert lookup(client, ns, chain.keys)["tiers"] == ["dram"] * 6
+    meta, blocks = get_bytes(client, ns, chain.keys)
+    assert [entry["tier"] for entry in meta["blocks"]] == ["dram"] * 6
+    assert blocks == chain.blocks  # the very bytes the client built, header included
+
+
+def test_put_with_skipped_chunks_and_misses(client: httpx.Client, ns: Namespace) -> None:
+    chain = make_chain(ns, 5, start=1000)
+    # The client knows chunks 0 and 1 are cached elsewhere: null lengths, no bytes.
+    assert put(client, chain, blocks=[None, None, *chain.blocks[2:]]) == 3
+    result = lookup(client, ns, chain.keys)
+    assert result["num_chunks"] == 0 and result["total_chunks"] == 5  # the head is missing
+    meta, blocks = get_bytes(client, ns, chain.keys)
+    assert [entry["length"] is None for entry in meta["blocks"]] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert [entry["tier"] for entry in meta["blocks"]] == [None, None, "dram", "dram", "dram"]
+    assert blocks[2:] == chain.blocks[2:]
+
+
+def test_shm_get_maps_the_arena_read_only(client: httpx.Client, ns: Namespace) -> None:
+    chain = make_chain(ns, 4, start=2000, seed=3)
+    put(client, chain)
+    unknown = make_chain(ns, 1, start=9_000_000).keys
+    arena = client.get("/v1/shm").json()
+    assert set(arena) == {"name", "size"} and arena["size"] == 64 << 20
+    response = client.post(
+        "/v1/get",
+        json={
+            "namespace": ns.digest.hex(),
+            "keys": [k.hex() for k in chain.keys + unknown],
+            "transfer": "shm",
+        },
+    )
+    assert response.status_code == 200, response.text
+    grant = response.json()
+    assert grant["shm"] == arena["name"] and grant["expires_in_s"] == 10.0
+    assert grant["blocks"][-1] == {"key": unknown[0].hex(), "missing": True}
+    fd = os.open(Path("/dev/shm") / grant["shm"], os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, arena["size"], access=mmap.ACCESS_READ) as mapping:
+            for entry, key, sent in zip(grant["blocks"], chain.keys, chain.blocks, strict=False):
+                assert entry["key"] == key.hex() and entry["tier"] == "dram"
+                block = mapping[entry["offset"] : entry["offset"] + entry["length"]]
+                check_identity(verify_block(block), ns, key)
+                assert block == sent
+    finally:
+        os.close(fd)
+    stats = client.get("/v1/stats").json()["daemon"]
+    assert stats["leases_outstanding"] >= 1 and stats["leased_blocks"] >= 4
+    released = client.post(f"/v1/leases/{grant['lease']}/release")
+    assert released.status_code == 200 and released.json() == {"released": 4}
+    again = client.post(f"/v1/leases/{grant['lease']}/release")
+    assert again.status_code == 404 and error_code(again) == "unknown_lease"
+
+
+def test_delete(client: httpx.Client, ns: Namespace) -> None:
+    chain = make_chain(ns, 3, start=3000)
+    put(client, chain)
+    body = {"namespace": ns.digest.hex(), "keys": chain.hex_keys[1:]}
+    assert client.post("/v1/delete", json=body).json() == {"deleted": 2}
+    assert client.post("/v1/delete", json=body).json() == {"deleted": 0}
+    _, blocks = get_bytes(client, ns, chain.keys)
+    assert blocks == [chain.blocks[0], None, None]
+
+
+def test_unknown_namespace_is_404_on_every_route(client: httpx.Client) -> None:
+    stranger = http_kv.namespace_for("never-registered")
+    chain = make_chain(stranger, 1)
+    body = {"namespace": stranger.digest.hex(), "keys": chain.hex_keys}
+    for route in ("/v1/lookup", "/v1/get", "/v1/delete"):
+        response = client.post(route, json=body)
+        assert response.status_code == 404 and error_code(response) == "unknown_namespace"
+    response = http_kv.put_raw(client, http_kv.frames_body(stranger, chain.keys, chain.blocks))
+    assert response.status_code == 404 and error_code(response) == "unknown_namespace"
+
+
+def test_events_are_validated_and_counted(client: httpx.Client) -> None:
+    started = {
+        "event": "request_started",
+        "session": "agent-7",
+        "trigger": "tool",
+        "prompt_tokens": 1200,
+        "cached_tokens": 1100,
+        "time": 1764500000.0,
+    }
+    finished = {
+        "event": "request_finished",
+        "session": "agent-7",
+        "steps": 3,
+        "output_tokens": 875,
+        "context_tokens": 1300,
+        "tool_running": False,
+        "loaded_tokens": 1100,
+        "recomputed_tokens": 100,
+    }
+    before = _samples(client, "kvstore_client_tokens_total")
+    for event in (started, finished):
+        response = client.post("/v1/events", json=event)
+        assert response.status_code == 200 and response.json() == {"accepted": True}
+    after = _samples(client, "kvstore_client_tokens_total")
+    assert after[("source", "cache")] - before[("source", "cache")] == 1100
+    assert after[("source", "recompute")] - before[("source", "recompute")] == 100
+    for bad in (
+        {**started, "trigger": "cron"},
+        {**started, "prompt_tokens": -1},
+        {**finished, "tool_running": "no"},
+        {**finished, "surprise": 1},
+        {**started, "session": ""},
+        {**started, "event": "nap"},
+        [started],
+    ):
+        response = client.post("/v1/events", json=bad)
+        assert response.status_code == 400 and error_code(response) == "bad_request", bad
+
+
+def test_stats_and_metrics(client: httpx.Client, ns: Namespace) -> None:
+    chain = make_chain(ns, 2, start=4000)
+    put(client, chain)
+    get_bytes(client, ns, chain.keys + make_chain(ns, 1, start=5000).keys)
+    stats = client.get("/v1/stats").json()
+    assert set(stats) == {"store", "daemon"}
+    assert set(stats["store"]["tiers"]) == {"dram", "ssd"}
+    assert stats["daemon"]["listening"][0].startswith("unix://")
+    assert stats["daemon"]["requests_served"] > 0
+    text = client.get("/metrics")
+    assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain")
+    families = {family.name: family for family in text_string_to_metric_families(text.text)}
+    for name in (
+        "kvstore_http_requests",
+        "kvstore_http_request_duration_seconds",
+        "kvstore_tier_hits",
+        "kvstore_chunk_misses",
+        "kvstore_client_tokens",
+        "kvstore_client_events",
+        "kvstore_tier_used_bytes",
+        "kvstore_tier_capacity_bytes",
+        "kvstore_tier_bytes_read",
+        "kvstore_tier_evictions",
+        "kvstore_tier_demotions",
+        "kvstore_tier_promotions",
+        "kvstore_tier_corrupt_blocks",
+        "kvstore_leases_outstanding",
+    ):
+        assert name in families, name
+    hits = {s.labels["tier"]: s.value for s in families["kvstore_tier_hits"].samples}
+    assert hits["dram"] >= 2
+    assert families["kvstore_chunk_misses"].samples[0].value >= 1
+    routes = {
+        (s.labels["route"], s.labels["status"])
+        for s in families["kvstore_http_requests"].samples
+        if s.name == "kvstore_http_requests_total"
+    }
+    assert ("/v1/put", "200") in routes and ("/v1/get", "200") in routes
+
+
+def test_unknown_routes_and_methods_answer_json(client: httpx.Client) -> None:
+    missing = client.get("/v1/nothing-here")
+    assert missing.status_code == 404 and error_code(missing) == "not_found"
+    wrong_method = client.get("/v1/put")
+    assert wrong_method.status_code == 405 and error_code(wrong_method) == "bad_request"
+
+
+def test_cli_stats_prints_a_table(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["stats", "--url", daemon.url]) == 0
+    out = capsys.readouterr().out
+    assert "kvstore daemon" in out and "listening: unix://" in out
+    header = next(line for line in out.splitlines() if line.startswith("tier"))
+    assert header.split()[:4] == ["tier", "blocks", "used", "capacity"]
+    assert any(line.startswith("dram") for line in out.splitlines())
+    assert any(line.startswith("ssd") for line in out.splitlines())
+    assert daemon.tcp_url is not None
+    assert cli.main(["stats", "--url", daemon.tcp_url, "--token", str(daemon.token)]) == 0
+    assert "kvstore daemon" in capsys.readouterr().out
+    assert cli.main(["stats", "--url", daemon.tcp_url, "--token", "wrong"]) == 1
+    assert "unauthorized" in capsys.readouterr().err
+
+
+def _samples(client: httpx.Client, name: str) -> dict[tuple[str, str], float]:
+    text = client.get("/metrics").text
+    return {
+        next(iter(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }

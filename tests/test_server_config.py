@@ -1,0 +1,165 @@
+"""The daemon's pieces without a daemon: its config (file and environment), the lease
+table (pins given back exactly once) and session-event parsing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support import kv
+
+from kvstore import TieredStore
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
+from kvstore.server.config import DaemonConfig, ServiceConfig
+from kvstore.server.events import EventLog, RequestFinished, Trigger, parse_event
+from kvstore.server.leases import LeaseTable
+from kvstore.wire import ErrorCode, WireError
+
+# -- config ------------------------------------------------------------------------------
+
+
+def _write(tmp_path: Path, daemon_table: str = "") -> Path:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(
+        f'data_dir = "{tmp_path}"\n\n[tiers.dram]\ncapacity = "1MiB"\n\n[daemon]\n{daemon_table}'
+    )
+    return path
+
+
+def test_defaults_come_from_the_store_data_dir(tmp_path: Path) -> None:
+    config = ServiceConfig.load(_write(tmp_path), environ={})
+    assert config.daemon.socket_path == tmp_path / "kvstore.sock"
+    assert config.daemon.tcp_port is None and config.daemon.auth_token is None
+    assert config.daemon.lease_ttl_s == 10.0
+    assert config.store.tier(kv.dram(1).kind) is not None
+
+
+def test_file_then_environment(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'lease_ttl_s = 2\nmax_body_bytes = "8MiB"\nauth_token = "file"\n')
+    env = {
+        "KVSTORE_DAEMON_TCP_PORT": "7480",
+        "KVSTORE_DAEMON_ACCESS_LOG": "yes",
+        "KVSTORE_AUTH_TOKEN": "0123456789",  # digits stay a string
+        "KVSTORE_PROMOTE_ON_HIT": "false",  # still the store's
+    }
+    config = ServiceConfig.load(path, environ=env)
+    assert config.daemon.lease_ttl_s == 2.0 and config.daemon.max_body_bytes == 8 << 20
+    assert config.daemon.tcp_port == 7480 and config.daemon.access_log is True
+    assert config.daemon.auth_token == "0123456789"
+    assert config.store.promote_on_hit is False
+    assert "0123456789" not in repr(config.daemon)  # the token never reaches a log line
+    # The store's own loader is not confused by the daemon's variables either.
+    assert StoreConfig.from_env(env).promote_on_hit is False
+
+
+@pytest.mark.parametrize(
+    ("table", "env", "message"),
+    [
+        ("tcp_port = 7480\n", {}, "refusing to listen on TCP without an auth token"),
+        ("surprise = 1\n", {}, "unknown daemon setting"),
+        ('lease_ttl_s = "soon"\n', {}, "lease_ttl_s must be of type float"),
+        ("lease_ttl_s = 0\n", {}, "must be a positive number"),
+        ("tcp_port = 70000\nauth_token = 'x'\n", {}, "not a port number"),
+        ("", {"KVSTORE_DAEMON_WORKERS": "many"}, "is not of type int"),
+        ('log_level = "chatty"\n', {}, "log_level must be one of"),
+        (f'socket_path = "/tmp/{"x" * 120}"\n', {}, "longer than 107 bytes"),
+    ],
+)
+def test_bad_settings_are_config_errors(
+    tmp_path: Path, table: str, env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ServiceConfig.load(_write(tmp_path, table), environ=env)
+
+
+def test_daemon_config_needs_a_table(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="must be a table"):
+        DaemonConfig.from_mapping(["x"], data_dir=tmp_path, environ={})  # type: ignore[arg-type]
+
+
+# -- leases ------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_leases_pin_until_released_or_expired_exactly_once() -> None:
+    ns = kv.namespace()
+    clock = Clock()
+    with TieredStore(kv.config(kv.dram(8))) as store:
+        store.put(ns, kv.tokens(4), kv.chunks(4))
+        keys = store.keys_for(ns, kv.tokens(4))
+        table = LeaseTable(store, ttl_s=5.0, max_leases=2, clock=clock)
+        first, shared = table.grant(ns, keys)
+        assert [block is not None for block in shared] == [True] * 4
+        assert first.keys == tuple(keys) and table.pinned_blocks == 4
+        assert store.demote(ns, keys) == 0  # pinned: nothing moves
+        second, _ = table.grant(ns, keys[:1])
+        with pytest.raises(WireError) as full:
+            table.grant(ns, keys)
+        assert full.value.code is ErrorCode.REQUEST_TOO_LARGE
+        assert table.next_expiry() == 5.0
+        assert table.release(first.id) == 4
+        with pytest.raises(WireError) as gone:
+            table.release(first.id)
+        assert gone.value.code is ErrorCode.UNKNOWN_LEASE
+        clock.now += 5.0
+        assert table.expire() == 1 and len(table) == 0
+        with pytest.raises(WireError):
+            table.release(second.id)
+        assert store.demote(ns, keys) == 4  # every pin was given back
+
+
+def test_release_all_unpins_everything() -> None:
+    ns = kv.namespace()
+    with TieredStore(kv.config(kv.dram(8))) as store:
+        store.put(ns, kv.tokens(2), kv.chunks(2))
+        keys = store.keys_for(ns, kv.tokens(2))
+        table = LeaseTable(store, ttl_s=5.0, max_leases=8)
+        table.grant(ns, keys)
+        table.grant(ns, keys)
+        assert table.release_all() == 2
+        assert store.demote(ns, keys) == 2
+
+
+# -- events ------------------------------------------------------------------------------
+
+
+def test_events_parse_into_types_and_the_ring_is_bounded() -> None:
+    started = parse_event(
+        {
+            "event": "request_started",
+            "session": "s",
+            "trigger": "user",
+            "prompt_tokens": 10,
+            "cached_tokens": 5,
+        }
+    )
+    assert started.kind.value == "request_started" and started.trigger is Trigger.USER
+    assert started.time > 0  # the daemon's clock when the client gave none
+    finished = parse_event(
+        {
+            "event": "request_finished",
+            "session": "s",
+            "steps": 1,
+            "output_tokens": 2,
+            "context_tokens": 3,
+            "tool_running": True,
+            "loaded_tokens": 4,
+            "recomputed_tokens": 5,
+            "time": 12.5,
+        }
+    )
+    assert isinstance(finished, RequestFinished) and finished.time == 12.5
+    log = EventLog(2)
+    for event in (started, finished, started):
+        log.append(event)
+    assert log.recent() == [finished, started] and log.received == 3
+    with pytest.raises(WireError):
+        parse_event({"event": "request_started", "session": "s", "trigger": "user"})

@@ -1,0 +1,324 @@
+"""What the daemon refuses, and that refusing changes nothing: malformed and oversize
+bodies, corrupt or foreign blocks, TCP without the right token, TCP without any
+token configured, oversize headers; and no code-executing deserializer in the tree."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import http_kv
+from support.daemon import Daemon
+from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, put_raw, register
+
+from kvstore.block import HEADER_BYTES, frame_block, parse_header, payload_view
+from kvstore.keys import Namespace
+from kvstore.wire import FRAMES_CONTENT_TYPE, block_entries, encode_frames
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[httpx.Client]:
+    with daemon.client() as client:
+        yield client
+
+
+@pytest.fixture
+def ns(request: pytest.FixtureRequest, client: httpx.Client) -> Namespace:
+    namespace = http_kv.namespace_for(request.node.name)
+    register(client, namespace)
+    return namespace
+
+
+# -- malformed bodies ------------------------------------------------------------------
+
+
+def _flip(data: bytes, index: int, mask: int = 0x01) -> bytes:
+    return data[:index] + bytes([data[index] ^ mask]) + data[index + 1 :]
+
+
+def _other_layout(block: bytes) -> bytes:
+    """The same key and namespace, a valid checksum, but another layout in the header."""
+    header = parse_header(block)
+    return frame_block(
+        dataclasses.replace(header, num_layers=header.num_layers + 1), payload_view(block)
+    ).to_bytes()
+
+
+def _frames(meta: dict[str, Any], blocks: list[bytes]) -> bytes:
+    return b"".join(bytes(piece) for piece in encode_frames(meta, blocks))
+
+
+def _bodies(chain: Chain) -> dict[str, tuple[bytes, int, str]]:
+    """Bad put bodies for ``chain`` (3 blocks; the first two good): (body, status, code)."""
+    ns, keys, blocks = chain.namespace, chain.keys, chain.blocks
+    good = frames_body(ns, keys, blocks)
+    foreign = make_chain(http_kv.namespace_for("foreign"), 3).blocks
+    meta_length = int.from_bytes(good[:4], "little")
+    meta = {"namespace": ns.digest.hex(), "blocks": block_entries(keys, blocks)}
+    return {
+        "truncated": (good[:-100], 400, "malformed_body"),
+        "metadata only": (good[: 4 + meta_length], 400, "malformed_body"),
+        "length prefix past the body": (b"\xff\xff\x00\x00" + good[4:], 400, "malformed_body"),
+        "meta not json": (b"\x05\x00\x00\x00{nope", 400, "malformed_body"),
+        "meta without blocks": (b"\x02\x00\x00\x00{}", 400, "malformed_body"),
+        "extra trailing bytes": (good + b"\x00", 400, "malformed_body"),
+        "empty body": (b"", 400, "malformed_body"),
+        "flipped checksum bit": (
+            frames_body(ns, keys, [*blocks[:2], _flip(blocks[2], 90, 0x80)]),
+            422,
+            "corrupt_block",
+        ),
+        "flipped payload bit": (
+            frames_body(ns, keys, [*blocks[:2], _flip(blocks[2], HEADER_BYTES + 5)]),
+            422,
+            "corrupt_block",
+        ),
+        "short block": (
+            frames_body(ns, keys, [*blocks[:2], blocks[2][:-1]]),
+            422,
+            "corrupt_block",
+        ),
+        "block under the wrong key": (
+            frames_body(ns, keys, [blocks[0], blocks[1], blocks[1]]),
+            422,
+            "corrupt_block",
+        ),
+        "block of another namespace": (
+            frames_body(ns, keys, [*blocks[:2], foreign[2]]),
+            422,
+            "corrupt_block",
+        ),
+        "block of another layout": (
+            frames_body(ns, keys, [*blocks[:2], _other_layout(blocks[2])]),
+            422,
+            "layout_mismatch",
+        ),
+        "block too large for a chunk": (
+            frames_body(ns, keys, [*blocks[:2], blocks[2] + bytes(1 << 17)]),
+            400,
+            "malformed_body",
+        ),
+        "session not a string": (_frames({**meta, "session": 12345}, blocks), 400, "bad_request"),
+        "namespace not hex": (_frames({**meta, "namespace": "xyz"}, blocks), 400, "bad_request"),
+    }
+
+
+def test_malformed_puts_are_refused_whole(client: httpx.Client, ns: Namespace) -> None:
+    chain = make_chain(ns, 3, start=100)
+    before = client.get("/v1/stats").json()["store"]["chunks_stored"]
+    for name, (body, status, code) in _bodies(chain).items():
+        response = put_raw(client, body)
+        assert (response.status_code, error_code(response)) == (status, code), name
+        # Nothing stored: not even the two good blocks in front of the bad one.
+        assert lookup(client, ns, chain.keys)["num_chunks"] == 0, name
+    assert client.get("/v1/stats").json()["store"]["chunks_stored"] == before
+    # The daemon is fine, and the good body is still accepted afterwards.
+    assert http_kv.put(client, chain) == 3
+
+
+def test_bad_json_requests(client: httpx.Client, ns: Namespace) -> None:
+    keys = make_chain(ns, 1).hex_keys
+    digest = ns.digest.hex()
+    cases = [
+        ("/v1/lookup", b"{not json"),
+        ("/v1/lookup", b"[1, 2]"),
+        ("/v1/lookup", b'{"namespace": "zz", "keys": []}'),
+        ("/v1/lookup", b'{"namespace": "%s", "keys": "abc"}' % digest.encode()),
+        ("/v1/lookup", b'{"namespace": "%s", "keys": ["00"]}' % digest.encode()),
+        ("/v1/get", b'{"namespace": "%s", "keys": [], "transfer": "pigeon"}' % digest.encode()),
+        ("/v1/namespaces", b'{"model": "", "layout": {}}'),
+        ("/v1/lookup", b"\xff\xfe"),
+    ]
+    for route, body in cases:
+        response = client.post(route, content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400 and error_code(response) == "bad_request", body
+    wrong_type = client.post("/v1/put", json={"namespace": digest, "keys": keys})
+    assert wrong_type.status_code == 400 and error_code(wrong_type) == "bad_request"
+
+
+# -- bounds ----------------------------------------------------------------------------
+
+
+def test_oversize_bodies_and_batches_are_413(daemon: Daemon, client: httpx.Client) -> None:
+    ns = http_kv.namespace_for("oversize")
+    register(client, ns)
+    limit = 64 << 20  # DEFAULT_DAEMON max_body_bytes
+    # Declared by Content-Length: refused before a byte of the body is read.
+    status, body = _raw_request(
+        daemon.socket_path,
+        f"POST /v1/put HTTP/1.1\r\nHost: kvstore\r\nContent-Type: {FRAMES_CONTENT_TYPE}\r\n"
+        f"Content-Length: {limit + 1}\r\nConnection: close\r\n\r\n".encode(),
+    )
+    assert status == 413 and b"request_too_large" in body
+    # Streamed (chunked, no length): the metadata alone declares more than the limit,
+    # in blocks each small enough for a chunk; refused before any block is sent.
+    chain = make_chain(ns, 2)
+    largest = HEADER_BYTES + ns.layout.chunk_nbytes + (64 << 10)
+    count = limit // largest + 1
+    meta = json.dumps(
+        {
+            "namespace": ns.digest.hex(),
+            "blocks": [{"key": chain.hex_keys[0], "length": largest}] * count,
+        }
+    ).encode()
+    streamed = len(meta).to_bytes(4, "little") + meta
+    response = client.post(
+        "/v1/put",
+        content=iter([streamed[:1000], streamed[1000:]]),
+        headers={"Content-Type": FRAMES_CONTENT_TYPE},
+    )
+    assert response.status_code == 413 and error_code(response) == "request_too_large"
+    # Too many keys in one request (max_batch_chunks = 1024).
+    keys = [bytes(16).hex()] * 1025
+    for route in ("/v1/lookup", "/v1/get", "/v1/delete"):
+        response = client.post(route, json={"namespace": ns.digest.hex(), "keys": keys})
+        assert response.status_code == 413 and error_code(response) == "request_too_large"
+    too_many = frames_body(ns, [chain.keys[0]] * 1025, [None] * 1025)
+    response = put_raw(client, too_many)
+    assert response.status_code == 413 and error_code(response) == "request_too_large"
+    # A JSON body over max_json_bytes (4 MiB).
+    response = client.post("/v1/events", content=b"[" + b"0," * (3 << 20) + b"0]")
+    assert response.status_code == 413 and error_code(response) == "request_too_large"
+    assert client.get("/healthz").status_code == 200
+
+
+def test_oversize_headers_are_refused(daemon: Daemon, client: httpx.Client) -> None:
+    status, _ = _raw_request(
+        daemon.socket_path,
+        b"GET /healthz HTTP/1.1\r\nHost: kvstore\r\nX-Big: "
+        + b"a" * 20_000
+        + b"\r\nConnection: close\r\n\r\n",
+    )
+    assert status in (400, 431)
+    assert client.get("/healthz").status_code == 200
+
+
+def _raw_request(path: Path, request: bytes) -> tuple[int, bytes]:
+    """Send raw bytes over the Unix socket; the status and body of the answer (read up
+    to its Content-Length: an answer to a body it did not read may keep the
+    connection open a while, to let the client finish sending)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(request)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        match = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+        length = int(match.group(1)) if match else 0
+        while len(body) < length and (chunk := sock.recv(65536)):
+            body += chunk
+    return int(head.split(b" ")[1]), body
+
+
+# -- authentication --------------------------------------------------------------------
+
+_ROUTES = [
+    ("POST", "/v1/namespaces"),
+    ("POST", "/v1/lookup"),
+    ("POST", "/v1/put"),
+    ("POST", "/v1/get"),
+    ("POST", "/v1/leases/0123/release"),
+    ("GET", "/v1/shm"),
+    ("POST", "/v1/delete"),
+    ("POST", "/v1/events"),
+    ("GET", "/v1/stats"),
+    ("GET", "/metrics"),
+    ("GET", "/readyz"),
+    ("GET", "/no/such/route"),
+]
+
+
+def test_tcp_needs_the_bearer_token(daemon: Daemon) -> None:
+    assert daemon.token
+    credentials: list[str | None] = [
+        None,
+        "wrong-token",
+        daemon.token[:-1],
+        daemon.token + "x",
+        daemon.token.upper(),
+    ]
+    for token in credentials:
+        with daemon.tcp_client(token=token) as client:
+            for method, route in _ROUTES:
+                response = client.request(method, route)
+                assert response.status_code == 401, (token, route)
+                assert error_code(response) == "unauthorized"
+                assert response.headers["www-authenticate"].startswith("Bearer")
+            assert client.get("/healthz").json() == {"ok": True}  # open to all
+    with daemon.tcp_client(token=None) as client:
+        basic = client.get("/v1/stats", headers={"Authorization": f"Basic {daemon.token}"})
+        assert basic.status_code == 401
+    with daemon.tcp_client() as client:
+        for method, route in _ROUTES:
+            assert client.request(method, route).status_code != 401, route
+        assert client.get("/v1/stats").status_code == 200
+        assert client.get("/readyz").status_code == 200
+        # Shared memory is for the Unix socket only, token or not.
+        assert error_code(client.get("/v1/shm")) == "bad_request"
+        ns = http_kv.namespace_for("tcp-shm")
+        register(client, ns)
+        response = client.post(
+            "/v1/get", json={"namespace": ns.digest.hex(), "keys": [], "transfer": "shm"}
+        )
+        assert response.status_code == 400 and error_code(response) == "bad_request"
+
+
+def test_tcp_refuses_to_start_without_a_token(daemon_factory: Callable[..., Daemon]) -> None:
+    instance = daemon_factory(tcp=True, token=None, start=False)
+    result = _serve(instance)
+    assert result.returncode == 2
+    assert "refusing to listen on TCP without an auth token" in result.stderr
+    assert not instance.socket_path.exists()
+
+
+def test_a_second_daemon_on_a_live_socket_exits(
+    daemon: Daemon, daemon_factory: Callable[..., Daemon]
+) -> None:
+    instance = daemon_factory(daemon={"socket_path": str(daemon.socket_path)}, start=False)
+    result = _serve(instance)
+    assert result.returncode == 1
+    assert "another daemon is listening" in result.stderr
+    with daemon.client() as client:  # the first one is untouched
+        assert client.get("/healthz").status_code == 200
+
+
+def _serve(instance: Daemon) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(instance.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# -- no code-executing deserializers ---------------------------------------------------
+
+_BANNED = re.compile(
+    r"^\s*(import|from)\s+(pickle|cPickle|_pickle|marshal|shelve|dill|cloudpickle)\b"
+    r"|\btorch\.load\(|\bpickle\.loads?\(|allow_pickle\s*=\s*True|yaml\.load\(",
+    re.MULTILINE,
+)
+
+
+def test_no_pickle_anywhere() -> None:
+    offenders = []
+    for folder in ("kvstore", "tiers", "client", "predictor"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for match in _BANNED.finditer(path.read_text()):
+                offenders.append(f"{path.relative_to(ROOT)}: {match.group(0).strip()}")
+    assert offenders == []
