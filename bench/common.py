@@ -24,12 +24,16 @@ Conventions:
   port, persistence off, and stops it on exit (also on Ctrl-C, SIGTERM, or
   via ``atexit`` if the interpreter exits some other way). It never talks to
   a Redis it did not start.
+* Every server a benchmark starts (``spawn``) runs in its own session, so a
+  Ctrl-C reaches only the benchmark, which stops it (``stop_process``); the
+  kernel sends it SIGTERM if the benchmark dies without cleaning up.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -272,20 +276,67 @@ def temp_dir(prefix: str = "kvs-bench-", base: str | Path | None = None) -> Iter
         shutil.rmtree(path, ignore_errors=True)
 
 
-# -- a private redis-server --------------------------------------------------
+# -- child processes ---------------------------------------------------------
 
 _live_servers: set[subprocess.Popen[bytes]] = set()
+_PR_SET_PDEATHSIG = 1
 
 
 @atexit.register
 def _kill_leftover_servers() -> None:
-    """Backstop for an exit that skipped ``RedisServer.stop`` (it should not happen)."""
+    """Backstop for an exit that skipped ``stop_process`` (it should not happen)."""
     for proc in list(_live_servers):
         if proc.poll() is None:
             proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
         _live_servers.discard(proc)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the benchmark dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(
+    argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a server process in its own session, output appended to ``log_path``.
+
+    Stop it with ``stop_process``; an ``atexit`` hook and ``PR_SET_PDEATHSIG``
+    stop it if the benchmark exits (or dies) without doing so.
+    """
+    log_file = open(log_path, "ab")  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else dict(env),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        log_file.close()
+    _live_servers.add(proc)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
+    """SIGTERM, wait, SIGKILL if it lingers; the exit code. Idempotent."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+    _live_servers.discard(proc)
+    return proc.returncode
+
+
+# -- a private redis-server --------------------------------------------------
 
 
 def free_port() -> int:
@@ -346,14 +397,7 @@ class RedisServer:
             "--dir", str(self._dir),
             *self._extra_args,
         ]  # fmt: skip
-        log_file = open(self._dir / "redis.log", "ab")  # noqa: SIM115
-        try:
-            self._proc = subprocess.Popen(
-                argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        finally:
-            log_file.close()
-        _live_servers.add(self._proc)
+        self._proc = spawn(argv, self._dir / "redis.log")
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -387,14 +431,7 @@ class RedisServer:
         """SIGTERM, wait, SIGKILL if it lingers; remove its directory. Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=timeout_s)
-            _live_servers.discard(proc)
+            stop_process(proc, timeout_s)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

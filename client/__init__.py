@@ -20,7 +20,7 @@ One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``)::
           SharedArena                shm.py         the daemon's DRAM arena, read only
           from_transport, from_reply failures.py    what degrades, what raises
           ClientStats                stats.py       what degraded, counted
-          RequestStarted, ...        events.py      session events
+          RequestStarted, ...        kvstore.events session events (schema shared with the daemon)
       EmbeddedClient | Async...      embedded.py    embedded:// (a store in this process)
 
 What degrades and what raises is drawn in ``kvstore.client.failures``.
@@ -29,9 +29,9 @@ What degrades and what raises is drawn in ``kvstore.client.failures``.
 from kvstore.client.aio import AsyncStoreClient
 from kvstore.client.connect import AsyncKVClient, KVClient, Transfer, connect, connect_async
 from kvstore.client.embedded import AsyncEmbeddedClient, EmbeddedClient
-from kvstore.client.events import Trigger
 from kvstore.client.stats import ClientStats
 from kvstore.client.sync import StoreClient
+from kvstore.events import Trigger
 
 __all__ = [
     "AsyncEmbeddedClient",

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from time import time as wall_clock
 from types import TracebackType
 from typing import Any
 
 import httpx
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.client.events import RequestFinished, RequestStarted, Trigger
 from kvstore.client.failures import from_transport
-from kvstore.client.protocol import Call, ClientProtocol, Operation, Reply, T, TokensOrKeys
+from kvstore.client.protocol import Call, ClientProtocol, Operation, Reply, T
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.events import RequestFinished, RequestStarted, Trigger
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
 from kvstore.stats import StoreStats
 
 # Errors of a connection that died before answering (a keep-alive connection the
@@ -102,7 +103,7 @@ class AsyncStoreClient:
         trigger: Trigger = Trigger.USER,
         time: float | None = None,
     ) -> None:
-        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, time)
+        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, _now(time))
         await self._run(self._protocol.event(event))
 
     async def request_finished(
@@ -125,7 +126,7 @@ class AsyncStoreClient:
             tool_running,
             loaded_tokens,
             recomputed_tokens,
-            time,
+            _now(time),
         )
         await self._run(self._protocol.event(event))
 
@@ -203,3 +204,7 @@ async def _pieces(body: tuple[bytes | memoryview, ...]) -> AsyncIterator[bytes |
     """A frames body as the async iterable httpx's ``AsyncClient`` sends."""
     for piece in body:
         yield piece
+
+
+def _now(when: float | None) -> float:
+    return wall_clock() if when is None else when

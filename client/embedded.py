@@ -17,11 +17,11 @@ from types import TracebackType
 
 from kvstore.aio import AsyncTieredStore
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.client.events import Trigger
 from kvstore.client.stats import ClientStats
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.events import Trigger
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
 from kvstore.stats import StoreStats
-from kvstore.store import TieredStore, TokensOrKeys
+from kvstore.store import TieredStore
 
 
 class EmbeddedClient:

@@ -40,22 +40,20 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 
 from kvstore.block import encode_block
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.client.blocks import FramesSink, LeasedBlock, Received, copy_leased, tier_of
-from kvstore.client.events import SessionEvent
 from kvstore.client.failures import from_reply, unavailable
 from kvstore.client.shm import SharedArena
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError, LayoutMismatch, TierUnavailable, UnknownNamespace
-from kvstore.keys import ChunkKey, Namespace, chunk_keys
+from kvstore.events import SessionEvent
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.stats import StoreStats, TierCounters
 from kvstore.wire import API_PREFIX, FRAMES_CONTENT_TYPE, encode_frames, namespace_to_json
 
 T = TypeVar("T")
-TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
 
 log = logging.getLogger("kvstore.client")
 _LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -342,19 +340,6 @@ class ClientProtocol:
 
 
 # -- requests and answers ---------------------------------------------------------
-
-
-def keys_of(namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
-    """Chunk keys of a token sequence, or the given keys checked to be ``ChunkKey``
-    (as ``TieredStore.keys_for``: the client hashes, only keys cross the wire)."""
-    if isinstance(tokens_or_keys, torch.Tensor):
-        return chunk_keys(namespace, tokens_or_keys.detach().cpu().numpy())
-    items = list(tokens_or_keys) if not isinstance(tokens_or_keys, np.ndarray) else None
-    if items and isinstance(items[0], bytes):
-        if not all(isinstance(key, ChunkKey) for key in items):
-            raise LayoutMismatch("keys must all be ChunkKey (see kvstore.keys)")
-        return [key for key in items if isinstance(key, ChunkKey)]
-    return chunk_keys(namespace, np.asarray(tokens_or_keys))
 
 
 def _post(path: str, request: Any = None, **options: Any) -> Call:

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from time import time as wall_clock
 from types import TracebackType
 from typing import Any
 
 import httpx
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.client.events import RequestFinished, RequestStarted, Trigger
 from kvstore.client.failures import from_transport
-from kvstore.client.protocol import Call, ClientProtocol, Operation, Reply, T, TokensOrKeys
+from kvstore.client.protocol import Call, ClientProtocol, Operation, Reply, T
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.events import RequestFinished, RequestStarted, Trigger
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
 from kvstore.stats import StoreStats
 
 # Errors of a connection that died before answering (a keep-alive connection the
@@ -101,7 +102,7 @@ class StoreClient:
         trigger: Trigger = Trigger.USER,
         time: float | None = None,
     ) -> None:
-        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, time)
+        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, _now(time))
         self._run(self._protocol.event(event))
 
     def request_finished(
@@ -124,7 +125,7 @@ class StoreClient:
             tool_running,
             loaded_tokens,
             recomputed_tokens,
-            time,
+            _now(time),
         )
         self._run(self._protocol.event(event))
 
@@ -196,3 +197,7 @@ class StoreClient:
         return self._http.build_request(
             call.method, call.path, json=call.json, content=content, headers=call.headers
         )
+
+
+def _now(when: float | None) -> float:
+    return wall_clock() if when is None else when

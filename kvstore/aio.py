@@ -14,10 +14,10 @@ from types import TracebackType
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
 from kvstore.config import StoreConfig
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
 from kvstore.policy import EvictionPolicy
 from kvstore.stats import StoreStats
-from kvstore.store import TieredStore, TokensOrKeys
+from kvstore.store import TieredStore
 
 
 class AsyncTieredStore:

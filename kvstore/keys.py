@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import xxhash
 
 from kvstore.errors import ConfigError, LayoutMismatch
@@ -194,6 +195,25 @@ def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list
             prev = sha(prev + digest + data[start : start + step]).digest()[:KEY_BYTES]
             keys.append(ChunkKey(prev))
     return keys
+
+
+TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
+
+
+def keys_of(namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
+    """Chunk keys of a token sequence, or the given keys checked to be ``ChunkKey``.
+
+    Every API that takes "tokens or keys" (the store, the client) resolves
+    them here, so both faces accept exactly the same inputs.
+    """
+    if isinstance(tokens_or_keys, torch.Tensor):
+        return chunk_keys(namespace, tokens_or_keys.detach().cpu().numpy())
+    items = list(tokens_or_keys) if not isinstance(tokens_or_keys, np.ndarray) else None
+    if items and isinstance(items[0], bytes):
+        if not all(isinstance(key, ChunkKey) for key in items):
+            raise LayoutMismatch("keys must all be ChunkKey (see kvstore.keys)")
+        return [key for key in items if isinstance(key, ChunkKey)]
+    return chunk_keys(namespace, np.asarray(tokens_or_keys))
 
 
 def external_keys(namespace: Namespace, engine_hashes: Sequence[bytes | int]) -> list[ChunkKey]:

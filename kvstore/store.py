@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
-import torch
 
 from kvstore.block import HEADER_BYTES, stored_block, verify_block
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
@@ -49,7 +48,7 @@ from kvstore.errors import (
 )
 from kvstore.guarded import GuardedTier
 from kvstore.index import BlockIndex
-from kvstore.keys import ChunkKey, Namespace, chunk_keys
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.placement import Admission, Placement
 from kvstore.policy import EvictionPolicy, LRUPolicy
 from kvstore.reader import BlockReader
@@ -70,8 +69,6 @@ class SharedBlock:
 
 # Tiers whose contents die with the process; ``flush`` copies them down.
 _VOLATILE = frozenset({TierKind.HBM, TierKind.DRAM})
-
-TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
 
 
 class TieredStore:
@@ -131,15 +128,8 @@ class TieredStore:
             raise UnknownNamespace(f"namespace {digest.hex()} is not registered") from None
 
     def keys_for(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
-        """Chunk keys of a token sequence, or the given keys checked to be ``ChunkKey``."""
-        if isinstance(tokens_or_keys, torch.Tensor):
-            return chunk_keys(namespace, tokens_or_keys.detach().cpu().numpy())
-        items = list(tokens_or_keys) if not isinstance(tokens_or_keys, np.ndarray) else None
-        if items and isinstance(items[0], bytes):
-            if not all(isinstance(key, ChunkKey) for key in items):
-                raise LayoutMismatch("keys must all be ChunkKey (see kvstore.keys)")
-            return [key for key in items if isinstance(key, ChunkKey)]
-        return chunk_keys(namespace, np.asarray(tokens_or_keys))
+        """Chunk keys of a token sequence, or the given keys checked (``keys.keys_of``)."""
+        return keys_of(namespace, tokens_or_keys)
 
     # -- lookup -----------------------------------------------------------
 

@@ -11,8 +11,9 @@ from support import kv
 from kvstore import TieredStore
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.events import RequestFinished, Trigger, parse_event
 from kvstore.server.config import DaemonConfig, ServiceConfig
-from kvstore.server.events import EventLog, RequestFinished, Trigger, parse_event
+from kvstore.server.events import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.wire import ErrorCode, WireError
 

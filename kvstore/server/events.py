@@ -1,134 +1,16 @@
-"""Session events clients report (``POST /v1/events``): parsed, checked, kept.
+"""The daemon's memory of recent session events (``kvstore.events`` has the schema).
 
-They are what the return-time predictor (issue 4) learns from, and what the
-token counters (``kvstore_client_tokens_total``) count. A client reports::
-
-    request_started   session, trigger (user | tool), prompt_tokens, cached_tokens
-    request_finished  session, steps, output_tokens, context_tokens, tool_running,
-                      loaded_tokens, recomputed_tokens
-
-each with an optional ``time`` (Unix seconds; the daemon's clock if absent).
-Unknown fields are refused, so a typo in a client is a 400, not a silently
-missing feature. The daemon keeps the most recent ``events_kept`` in an
-``EventLog`` ring; the event loop is its only writer.
+The daemon keeps the most recent ``events_kept`` events in an ``EventLog``
+ring, for the return-time predictor (issue 4); the event loop is its only
+writer.
 """
 
 from __future__ import annotations
 
-import enum
-import math
-import time
 from collections import deque
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
 
-from kvstore.wire import ErrorCode, WireError
-
-MAX_SESSION_CHARS = 256
-_MAX_COUNT = 1 << 53  # JSON numbers stay exact below this
-
-
-class EventKind(enum.Enum):
-    REQUEST_STARTED = "request_started"
-    REQUEST_FINISHED = "request_finished"
-
-
-class Trigger(enum.Enum):
-    """What started an engine request: a person, or a tool call returning."""
-
-    USER = "user"
-    TOOL = "tool"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestStarted:
-    session: str
-    trigger: Trigger
-    prompt_tokens: int
-    cached_tokens: int
-    time: float
-
-    kind = EventKind.REQUEST_STARTED
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFinished:
-    session: str
-    steps: int
-    output_tokens: int
-    context_tokens: int
-    tool_running: bool
-    loaded_tokens: int
-    recomputed_tokens: int
-    time: float
-
-    kind = EventKind.REQUEST_FINISHED
-
-
-SessionEvent = RequestStarted | RequestFinished
-
-_COUNTS = {
-    EventKind.REQUEST_STARTED: ("prompt_tokens", "cached_tokens"),
-    EventKind.REQUEST_FINISHED: (
-        "steps",
-        "output_tokens",
-        "context_tokens",
-        "loaded_tokens",
-        "recomputed_tokens",
-    ),
-}
-_OTHER_FIELDS = {
-    EventKind.REQUEST_STARTED: {"event", "session", "time", "trigger"},
-    EventKind.REQUEST_FINISHED: {"event", "session", "time", "tool_running"},
-}
-
-
-def parse_event(data: Any) -> SessionEvent:
-    """Validate one event body; any problem is ``bad_request``."""
-    if not isinstance(data, Mapping):
-        raise _bad("an event must be a JSON object")
-    try:
-        kind = EventKind(data.get("event"))
-    except ValueError:
-        raise _bad(f"event must be one of {[k.value for k in EventKind]}") from None
-    unknown = set(data) - _OTHER_FIELDS[kind] - set(_COUNTS[kind])
-    if unknown:
-        raise _bad(f"unknown field(s) for {kind.value}: {sorted(unknown)}")
-    session = data.get("session")
-    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS:
-        raise _bad(f"session must be a string of 1 to {MAX_SESSION_CHARS} characters")
-    counts = {name: _count(data, name) for name in _COUNTS[kind]}
-    when = _time(data.get("time"))
-    if kind is EventKind.REQUEST_STARTED:
-        try:
-            trigger = Trigger(data.get("trigger"))
-        except ValueError:
-            raise _bad("trigger must be 'user' or 'tool'") from None
-        return RequestStarted(session=session, trigger=trigger, time=when, **counts)
-    tool_running = data.get("tool_running")
-    if not isinstance(tool_running, bool):
-        raise _bad("tool_running must be true or false")
-    return RequestFinished(session=session, tool_running=tool_running, time=when, **counts)
-
-
-def _count(data: Mapping[str, Any], name: str) -> int:
-    value = data.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_COUNT:
-        raise _bad(f"{name} must be a non-negative integer")
-    return value
-
-
-def _time(value: Any) -> float:
-    if value is None:
-        return time.time()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad("time must be a finite number of Unix seconds")
-    return float(value)
-
-
-def _bad(message: str) -> WireError:
-    return WireError(ErrorCode.BAD_REQUEST, message)
+from kvstore.events import SessionEvent
 
 
 class EventLog:

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.server.events import RequestFinished, SessionEvent
+from kvstore.events import RequestFinished, SessionEvent
 from kvstore.server.leases import LeaseTable
 from kvstore.store import TieredStore
 

@@ -37,8 +37,8 @@ from kvstore.block import (
 )
 from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
+from kvstore.events import MAX_SESSION_CHARS, parse_event
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.server.events import MAX_SESSION_CHARS, parse_event
 from kvstore.server.leases import Lease, LeaseTable
 from kvstore.server.state import EVENTS, LEASES, METRICS, STATE, STORE
 from kvstore.store import SharedBlock, TieredStore
