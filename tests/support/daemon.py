@@ -28,7 +28,6 @@ an ``atexit`` hook kills leftovers, and each is started with
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import secrets
@@ -46,7 +45,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.redis_servers import _die_with_parent, free_port
+from support.processes import LIVE, die_with_parent, free_port
 
 HOST = "127.0.0.1"
 AUTO_TOKEN = "auto"  # token= default: a random token when TCP is on, none otherwise
@@ -66,18 +65,6 @@ DEFAULT_DAEMON: dict[str, Any] = {
     "drain_timeout_s": 5.0,
     "workers": 4,
 }
-
-_live: set[subprocess.Popen[bytes]] = set()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for proc in list(_live):
-        if proc.poll() is None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        _live.discard(proc)
 
 
 class DaemonStartError(RuntimeError):
@@ -160,11 +147,11 @@ class Daemon:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         finally:
             log.close()
-        _live.add(self.proc)
+        LIVE.add(self.proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.proc.poll()
@@ -220,7 +207,7 @@ class Daemon:
 
     def _forget(self) -> None:
         if self.proc is not None:
-            _live.discard(self.proc)
+            LIVE.discard(self.proc)
             self.proc.wait()
         self.proc = None
 

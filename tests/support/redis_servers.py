@@ -32,14 +32,11 @@ Fixtures (registered in ``tests/conftest.py``):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,52 +44,10 @@ from pathlib import Path
 
 import pytest
 
+from support.processes import HOST, LIVE, die_with_parent, free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
-HOST = "127.0.0.1"
-_CLUSTER_BUS_OFFSET = 10000
-_PR_SET_PDEATHSIG = 1
-
-_live: set[subprocess.Popen[bytes]] = set()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    """Backstop for sessions that die before their fixtures' ``finally`` runs."""
-    for proc in list(_live):
-        if proc.poll() is None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        _live.discard(proc)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the test process dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(*, cluster_bus: bool = False) -> int:
-    """A loopback port nobody listens on (and ``port + 10000`` too, for cluster nodes)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((HOST, 0))
-            port = int(sock.getsockname()[1])
-        if not cluster_bus:
-            return port
-        if port + _CLUSTER_BUS_OFFSET < 65536 and _port_is_free(port + _CLUSTER_BUS_OFFSET):
-            return port
-    raise RuntimeError("no free loopback port found")
 
 
 def resp_command(port: int, *args: str | bytes, timeout_s: float = 1.0) -> bytes:
@@ -176,11 +131,11 @@ class RedisServer:
         log = open(self.directory / f"redis-{self.port}.log", "ab")  # noqa: SIM115
         try:
             self._proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+                argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
             )
         finally:
             log.close()
-        _live.add(self._proc)
+        LIVE.add(self._proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -210,7 +165,7 @@ class RedisServer:
 
     def _forget(self) -> None:
         if self._proc is not None:
-            _live.discard(self._proc)
+            LIVE.discard(self._proc)
             self._proc.wait()
         self._proc = None
 
