@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint typecheck bench clean
+.PHONY: install test lint typecheck bench serve clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ typecheck:
 	ln -s $(CURDIR)/predictor $(TYPECHECK)/predictor
 	ln -s $(CURDIR)/client $(TYPECHECK)/client
 	$(BIN)/mypy $(TYPECHECK)
+
+serve:
+	$(BIN)/kvstore serve
 
 bench:
 	mkdir -p bench/out

@@ -127,6 +127,10 @@ class TieredStore:
         except KeyError:
             raise UnknownNamespace(f"namespace {digest.hex()} is not registered") from None
 
+    def registered_namespaces(self) -> list[Namespace]:
+        with self._lock:
+            return list(self._namespaces.values())
+
     def keys_for(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
         """Chunk keys of a token sequence, or the given keys checked (``keys.keys_of``)."""
         return keys_of(namespace, tokens_or_keys)

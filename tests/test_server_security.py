@@ -22,7 +22,7 @@ from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, 
 
 from kvstore.block import HEADER_BYTES, frame_block, parse_header, payload_view
 from kvstore.keys import Namespace
-from kvstore.wire import FRAMES_CONTENT_TYPE, block_entries, encode_frames
+from kvstore.wire import FRAMES_CONTENT_TYPE, block_entries, encode_frames, namespace_to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -322,3 +322,15 @@ def test_no_pickle_anywhere() -> None:
             for match in _BANNED.finditer(path.read_text()):
                 offenders.append(f"{path.relative_to(ROOT)}: {match.group(0).strip()}")
     assert offenders == []
+
+
+def test_registered_namespaces_are_bounded(daemon_factory: Callable[..., Daemon]) -> None:
+    instance = daemon_factory(daemon={"max_namespaces": 2})
+    with instance.client() as client:
+        register(client, http_kv.namespace_for("first"))
+        register(client, http_kv.namespace_for("second"))
+        register(client, http_kv.namespace_for("first"))  # known: still fine
+        third = http_kv.namespace_for("third")
+        response = client.post("/v1/namespaces", json=namespace_to_json(third))
+        assert response.status_code == 413
+        assert error_code(response) == "request_too_large"

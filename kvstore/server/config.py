@@ -66,6 +66,7 @@ class DaemonConfig:
     auth_token: str | None = field(default=None, repr=False)
     lease_ttl_s: float = 10.0
     max_leases: int = 1024
+    max_namespaces: int = 4096
     max_body_bytes: int = 512 << 20
     max_json_bytes: int = 4 << 20
     max_concurrent_puts: int = 4
@@ -99,6 +100,7 @@ class DaemonConfig:
                 raise ConfigError(f"daemon.{name} must be a positive number of seconds")
         for name in (
             "max_leases",
+            "max_namespaces",
             "max_body_bytes",
             "max_json_bytes",
             "max_concurrent_puts",

@@ -84,7 +84,15 @@ def is_local(request: web.Request) -> bool:
 
 async def register_namespace(request: web.Request) -> web.Response:
     namespace = namespace_from_json(await read_json(request))
-    await asyncio.to_thread(request.app[STORE].register, namespace)
+    store = request.app[STORE]
+    limit = request.app[STATE].config.max_namespaces
+    known = {registered.digest for registered in store.registered_namespaces()}
+    # Namespaces live as long as the daemon: bound them, as every other input is.
+    if namespace.digest not in known and len(known) >= limit:
+        raise WireError(
+            ErrorCode.REQUEST_TOO_LARGE, f"{len(known)} namespaces registered; the limit is {limit}"
+        )
+    await asyncio.to_thread(store.register, namespace)
     return web.json_response({"namespace": namespace.digest.hex()})
 
 
