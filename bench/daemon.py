@@ -22,8 +22,11 @@ nothing of kvstore around it, timed interleaved in the same run:
 The bare app answers a get with a body of the same size, written in pieces
 of one chunk (as the daemon writes one block at a time), from distinct,
 touched memory; the client reads it and throws it away. A bare put sends
-the chunks' own buffers with a ``Content-Length`` (as the client does) to a
-handler that reads and discards them.
+the chunks' own buffers with a ``Content-Length`` to a handler that reads
+and discards them, as views of at most 1 MiB: httpcore re-slices the unsent
+rest of a piece (a copy) after every partial ``send``, which makes a whole
+multi-MiB piece quadratic on a Unix socket's ~200 KiB send buffer, and the
+ceiling is the transport used well.
 
 Gets are measured twice: ``get`` (the client allocates each chunk) and
 ``get_into`` (``get(..., out=)`` into the caller's preallocated tensors); both
@@ -50,6 +53,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -129,6 +133,7 @@ LOOKUP_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=
 LOOKUP_TOKENS = 32_768
 LOOKUP_CLIENTS = 8
 CLIENT_TIMEOUT_S = 60.0  # per I/O phase; generous, a failed call would read as a miss
+PUT_SLICE_BYTES = 1 << 20  # the bare put's body pieces (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ class ServerProcess:
         self.argv = list(argv)
         self.socket_path = socket_path
         self.log_path = log_path
-        self.proc: Any = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int:
@@ -394,11 +399,12 @@ class BareHTTP:
         return received
 
     def put(self, pieces: Sequence[memoryview]) -> None:
-        """Send ``pieces`` as one body (not joined), as the client sends a frames body."""
+        """Send ``pieces`` as one body, piece by piece (not joined), with a length."""
         length = sum(piece.nbytes for piece in pieces)
+        content: Any = iter(pieces)  # bytes-like views; httpx's hint says bytes
         response = self._http.post(
             "/put",
-            content=iter(pieces),
+            content=content,
             headers={"Content-Type": "application/octet-stream", "Content-Length": str(length)},
         )
         if response.status_code != 200 or response.json()["received"] != length:
@@ -460,7 +466,12 @@ def measure_size(clients: Clients, size: ChunkSize, settings: Settings, seed: in
     count = settings.batch_chunks(size)
     chunks = make_chunks(size, count, seed)
     payloads = [chunk.view(torch.uint8).reshape(-1).numpy() for chunk in chunks]
-    pieces = [payload.data for payload in payloads]
+    # The bare put's body: the same buffers, as views of at most PUT_SLICE_BYTES.
+    pieces = [
+        payload.data[start : start + PUT_SLICE_BYTES]
+        for payload in payloads
+        for start in range(0, payload.nbytes, PUT_SLICE_BYTES)
+    ]
     batch_bytes = count * size.nbytes
     namespace = Namespace(f"bench-daemon-{size.label}", size.layout)
     space = KeySpace(namespace, count, seed)
@@ -568,32 +579,33 @@ class LookupResult:
 
 def measure_lookups(url: str, daemon_pid: int, seconds: float) -> LookupResult:
     """``LOOKUP_CLIENTS`` threads, each with its own ``StoreClient``, looking up the
-    same cached 32K-token prefix for ``seconds``."""
+    same cached 32K-token prefix (token ids: the client hashes them) for ``seconds``."""
     namespace = Namespace("bench-daemon-lookup", LOOKUP_LAYOUT)
     tokens = np.random.default_rng(99).integers(0, VOCAB, size=LOOKUP_TOKENS, dtype=np.int64)
-    chunks = torch.randn(
-        (LOOKUP_TOKENS // LOOKUP_LAYOUT.chunk_tokens, *LOOKUP_LAYOUT.chunk_shape),
-        dtype=torch.bfloat16,
-    )
     want = LOOKUP_TOKENS // LOOKUP_LAYOUT.chunk_tokens
-    clients = [kvstore.connect(url, transfer="bytes", timeout_s=CLIENT_TIMEOUT_S)]
-    clients += [
-        kvstore.connect(url, transfer="bytes", timeout_s=CLIENT_TIMEOUT_S)
-        for _ in range(LOOKUP_CLIENTS - 1)
-    ]
+    chunks = torch.randn((want, *LOOKUP_LAYOUT.chunk_shape), dtype=torch.bfloat16)
+    clients: list[StoreClient] = []
+    threads: list[threading.Thread] = []
+    stop = threading.Event()
+    barrier = threading.Barrier(LOOKUP_CLIENTS + 1)
     try:
+        for _ in range(LOOKUP_CLIENTS):
+            client = kvstore.connect(url, transfer="bytes", timeout_s=CLIENT_TIMEOUT_S)
+            assert isinstance(client, StoreClient)
+            clients.append(client)
         if clients[0].put(namespace, tokens, list(chunks)) != want:
             raise RuntimeError("lookup prefix: not every chunk was stored")
         for client in clients:  # registers the namespace, opens the connection
             if client.lookup(namespace, tokens).num_chunks != want:
                 raise RuntimeError("lookup prefix: not every chunk is cached")
-        barrier = threading.Barrier(LOOKUP_CLIENTS + 1)
-        stop = threading.Event()
         latencies: list[list[float]] = [[] for _ in clients]
         failures: list[str] = []
 
         def loop(client: StoreClient, mine: list[float]) -> None:
-            barrier.wait()
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:  # the main thread gave up
+                return
             while not stop.is_set():
                 start = time.perf_counter()
                 found = client.lookup(namespace, tokens).num_chunks
@@ -608,7 +620,7 @@ def measure_lookups(url: str, daemon_pid: int, seconds: float) -> LookupResult:
         ]
         for thread in threads:
             thread.start()
-        barrier.wait()
+        barrier.wait(timeout=60.0)
         cpu0, daemon0, start = time.process_time(), _cpu_seconds(daemon_pid), time.perf_counter()
         time.sleep(seconds)
         stop.set()
@@ -619,13 +631,16 @@ def measure_lookups(url: str, daemon_pid: int, seconds: float) -> LookupResult:
         daemon_cpu = _cpu_seconds(daemon_pid) - daemon0
         if failures:
             raise RuntimeError(failures[0])
-        for client in clients:
-            if client.client_stats().lookups_failed:
-                raise RuntimeError("a lookup failed (degraded to 'nothing cached')")
+        if any(client.client_stats().lookups_failed for client in clients):
+            raise RuntimeError("a lookup failed (degraded to 'nothing cached')")
         everything = [value for mine in latencies for value in mine]
         clients[0].delete(namespace, chunk_keys(namespace, tokens))
         return LookupResult(len(everything), elapsed, everything, cpu, daemon_cpu)
     finally:
+        stop.set()  # also on Ctrl-C: no thread may be mid-call when its client closes
+        barrier.abort()
+        for thread in threads:
+            thread.join(timeout=CLIENT_TIMEOUT_S)
         for client in clients:
             client.close()
 
@@ -678,6 +693,9 @@ NOTES = [
     "unix/tcp ceiling: a bare aiohttp app in its own process answering a same-size body in "
     "chunk-sized writes (get), or reading and discarding one (put); httpx with the client's "
     "transport, pool and timeout; the ceiling client discards the bytes it reads.",
+    "Bare put bodies go out as views of at most 1 MiB: httpcore copies the unsent rest of a "
+    "piece after every partial send, quadratic in the piece size on a Unix socket (whole "
+    "16 MiB pieces ran ~9x slower); the client sends whole blocks.",
     "No shm put: a put always travels over the socket (the unix row).",
 ]
 
