@@ -1,0 +1,1 @@
+"""Trace replay: drive the real store and policies over request traces on a simulated clock."""
