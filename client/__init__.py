@@ -17,6 +17,7 @@ One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``)::
                                      transports.py  Unix socket or TCP, bounded pools
         ClientProtocol               protocol.py    every operation, sans-IO generators
           FramesSink, copy_leased    blocks.py      verify each received block
+          BufferPool                 buffers.py     plain gets' payload buffers, reused
           SharedArena                shm.py         the daemon's DRAM arena, read only
           from_transport, from_reply failures.py    what degrades, what raises
           ClientStats                stats.py       what degraded, counted

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from time import time as wall_clock
 from types import TracebackType
@@ -12,13 +14,15 @@ from typing import Any
 import httpx
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.client.failures import from_transport
-from kvstore.client.protocol import Call, ClientProtocol, Operation, Reply, T
+from kvstore.client.failures import from_reply, from_transport
+from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError
 from kvstore.events import RequestFinished, RequestStarted, Trigger
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
 from kvstore.stats import StoreStats
+
+log = logging.getLogger("kvstore.client")
 
 # Errors of a connection that died before answering (a keep-alive connection the
 # daemon closed, a daemon restart): the call is sent once more, on a new connection.
@@ -55,6 +59,9 @@ class AsyncStoreClient:
             headers={"Authorization": f"Bearer {token}"} if token else None,
         )
         self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s)
+        # Calls nothing waits for (``Call.wait``): tasks, at most MAX_DETACHED_CALLS
+        # at once; close() waits for them.
+        self._detached: set[asyncio.Task[None]] = set()
 
     # -- the store's methods ----------------------------------------------------
 
@@ -137,6 +144,7 @@ class AsyncStoreClient:
         return self._protocol.client_stats()
 
     async def close(self) -> None:
+        await asyncio.gather(*self._detached)
         await self._http.aclose()
         self._protocol.close()
 
@@ -170,6 +178,22 @@ class AsyncStoreClient:
                 return result
 
     async def _exchange(self, call: Call) -> Reply:
+        if not call.wait and len(self._detached) < MAX_DETACHED_CALLS:
+            task = asyncio.create_task(self._send_detached(call))
+            self._detached.add(task)
+            task.add_done_callback(self._detached.discard)
+            return Reply(202)
+        return await self._send(call)
+
+    async def _send_detached(self, call: Call) -> None:
+        try:
+            reply = await self._send(call)
+            if reply.status != 200:
+                raise from_reply(reply.status, reply.content)
+        except KVStoreError as error:
+            log.debug("%s %s (sent in the background) failed: %s", call.method, call.path, error)
+
+    async def _send(self, call: Call) -> Reply:
         try:
             response = await self._open(call)
             try:

@@ -12,9 +12,9 @@ at a time, receives each ``Reply``, and returns the method's result::
 ``StoreClient`` (blocking) and ``AsyncStoreClient`` (asyncio) only drive
 these generators over httpx, so the orchestration is the same for both:
 register a namespace once per client, register again and retry once after
-``unknown_namespace`` (the daemon restarted), lease -> copy -> release ->
-fetch inline for shared-memory gets, back off from a daemon that failed,
-and degrade instead of raising where the engine must not stall
+``unknown_namespace`` (the daemon restarted), lease -> copy -> release (not
+waited for) -> fetch inline for shared-memory gets, back off from a daemon
+that failed, and degrade instead of raising where the engine must not stall
 (``client.failures`` says which calls degrade). An exchange that fails is
 thrown into the generator at the ``yield`` that asked for it.
 
@@ -25,7 +25,9 @@ Concurrency: one ``ClientProtocol`` serves every thread (or task) of its
 client. The namespace set, the shared-memory mapping and the back-off
 deadline are each replaced by single assignments, without a lock: the worst
 a race can do is register a namespace twice or map a segment twice, both
-harmless. The counters are updated under ``_lock``.
+harmless. The counters are updated under ``_lock``. Shared-memory copies of
+large batches use one helper thread (``blocks.copy_leased``): memory
+bandwidth, not I/O, so it lives here rather than in a shell.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -44,6 +47,7 @@ import numpy as np
 from kvstore.block import encode_block
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.client.blocks import FramesSink, LeasedBlock, Received, copy_leased, tier_of
+from kvstore.client.buffers import BufferPool
 from kvstore.client.failures import from_reply, unavailable
 from kvstore.client.shm import SharedArena
 from kvstore.client.stats import ClientStats
@@ -57,6 +61,17 @@ T = TypeVar("T")
 
 log = logging.getLogger("kvstore.client")
 _LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# A put body goes out in views of at most this many bytes, never joined: h11
+# copies each piece it is given, and httpx's own transports copy the unsent rest
+# of a piece after every partial send, quadratic in the piece's size on a Unix
+# socket's ~200 KiB send buffer (``client.transports`` does not, but a caller
+# may pass another transport). Slices keep both copies small.
+BODY_SLICE_BYTES = 1 << 20
+# Bytes of plain gets' payload buffers a client keeps for reuse (``client.buffers``).
+BUFFER_POOL_BYTES = 256 << 20
+# Calls a shell sends in the background at once (``Call.wait=False``); past
+# that, it sends the next one in place. Each is a lease the daemon still holds.
+MAX_DETACHED_CALLS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +82,9 @@ class Call:
     receives a ``200`` frames answer as it streams in (any other answer is
     read whole into ``Reply.content``). ``retry``: safe to send again when a
     connection died before any answer (every call but events is idempotent:
-    a key names its content).
+    a key names its content). ``wait=False``: nothing depends on the answer
+    (a lease release), so the shell may send it in the background, resume
+    the operation at once with ``Reply(202)``, and only log how it went.
     """
 
     method: str
@@ -76,6 +93,7 @@ class Call:
     body: tuple[bytes | memoryview, ...] | None = None
     sink: FramesSink | None = None
     retry: bool = True
+    wait: bool = True
 
     @property
     def headers(self) -> dict[str, str]:
@@ -115,12 +133,15 @@ class ClientProtocol:
         self._registered: frozenset[bytes] = frozenset()
         self._arena: SharedArena | None = None
         self._down_until = 0.0
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
+        self._buffers = BufferPool(BUFFER_POOL_BYTES)
 
     def client_stats(self) -> ClientStats:
         with self._lock:
             return self._stats.snapshot()
 
     def close(self) -> None:
+        self._copier.shutdown(wait=True)
         arena, self._arena = self._arena, None
         if arena is not None:
             arena.close()
@@ -219,7 +240,7 @@ class ClientProtocol:
     def _get_bytes(
         self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
     ) -> Operation[Received]:
-        sink = FramesSink(namespace, keys, out)
+        sink = FramesSink(namespace, keys, out, self._buffers)
         request = _get_request(namespace, keys, "bytes")
         yield from self._namespaced(namespace, lambda: _post("/get", request, sink=sink))
         return sink.received
@@ -228,7 +249,8 @@ class ClientProtocol:
         self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
     ) -> Operation[Received]:
         """Lease the DRAM blocks, copy them out of the mapped arena, release the
-        lease, then fetch the blocks held below DRAM as bytes."""
+        lease (without waiting for the answer), then fetch the blocks held below
+        DRAM as bytes."""
         if self._arena is None:
             yield from self._map_arena()
             if self._arena is None:  # nothing to map: bytes from now on
@@ -264,7 +286,7 @@ class ClientProtocol:
         if arena is None or arena.name != name:  # the daemon restarted: a new segment
             arena = self._open_arena(name)
         entries = [LeasedBlock.parse(entry) for entry in _field(lease, "blocks", list)]
-        return copy_leased(arena, namespace, keys, entries, out)
+        return copy_leased(arena, namespace, keys, entries, out, self._buffers, self._copier)
 
     def _map_arena(self) -> Operation[None]:
         reply = yield from self._exchange(Call("GET", f"{API_PREFIX}/shm"))
@@ -287,11 +309,15 @@ class ClientProtocol:
         return arena
 
     def _release(self, lease: Any) -> Operation[None]:
+        """Give a lease back; the get does not wait for the answer (the copy is done).
+        A release that fails costs nothing but its pins until the lease expires."""
         lease_id = lease.get("lease") if isinstance(lease, dict) else None
         if not isinstance(lease_id, str) or not _LEASE_ID.fullmatch(lease_id):
             return
         try:
-            yield from self._send(_post(f"/leases/{lease_id}/release"))
+            reply = yield from self._exchange(_post(f"/leases/{lease_id}/release", wait=False))
+            if reply.status != 202:  # answered in place, not sent in the background
+                _checked(reply)
         except KVStoreError as error:
             log.debug("lease %s not released (it will expire): %s", lease_id, error)
 
@@ -363,7 +389,8 @@ def _frames_body(
     """A put's frames body: chunk ``i`` as a complete block whose parent is key ``i-1``.
 
     Every chunk is validated (``chunk_bytes``) before anything is sent; the
-    payloads are views of the caller's data, not copies (CPU tensors).
+    payloads are views of the caller's data, not copies (CPU tensors), in
+    slices of at most ``BODY_SLICE_BYTES``.
     """
     blocks = [
         None
@@ -387,7 +414,11 @@ def _frames_body(
     parts = [
         part for block in blocks if block is not None for part in (block.header, block.payload)
     ]
-    return tuple(encode_frames(meta, parts))
+    return tuple(
+        memoryview(piece)[start : start + BODY_SLICE_BYTES]
+        for piece in encode_frames(meta, parts)
+        for start in range(0, memoryview(piece).nbytes, BODY_SLICE_BYTES)
+    )
 
 
 def _checked(reply: Reply) -> Any:

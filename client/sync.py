@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from time import time as wall_clock
 from types import TracebackType
 from typing import Any
@@ -12,13 +15,15 @@ from typing import Any
 import httpx
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.client.failures import from_transport
-from kvstore.client.protocol import Call, ClientProtocol, Operation, Reply, T
+from kvstore.client.failures import from_reply, from_transport
+from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError
 from kvstore.events import RequestFinished, RequestStarted, Trigger
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
 from kvstore.stats import StoreStats
+
+log = logging.getLogger("kvstore.client")
 
 # Errors of a connection that died before answering (a keep-alive connection the
 # daemon closed, a daemon restart): the call is sent once more, on a new connection.
@@ -54,6 +59,10 @@ class StoreClient:
             headers={"Authorization": f"Bearer {token}"} if token else None,
         )
         self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s)
+        # Calls nothing waits for (``Call.wait``): sent by these threads, at most
+        # MAX_DETACHED_CALLS at once; close() waits for them.
+        self._detached = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-detached")
+        self._detached_slots = threading.BoundedSemaphore(MAX_DETACHED_CALLS)
 
     # -- the store's methods ----------------------------------------------------
 
@@ -136,6 +145,7 @@ class StoreClient:
         return self._protocol.client_stats()
 
     def close(self) -> None:
+        self._detached.shutdown(wait=True)
         self._http.close()
         self._protocol.close()
 
@@ -169,6 +179,22 @@ class StoreClient:
                 return result
 
     def _exchange(self, call: Call) -> Reply:
+        if not call.wait and self._detached_slots.acquire(blocking=False):
+            self._detached.submit(self._send_detached, call)
+            return Reply(202)
+        return self._send(call)
+
+    def _send_detached(self, call: Call) -> None:
+        try:
+            reply = self._send(call)
+            if reply.status != 200:
+                raise from_reply(reply.status, reply.content)
+        except KVStoreError as error:
+            log.debug("%s %s (sent in the background) failed: %s", call.method, call.path, error)
+        finally:
+            self._detached_slots.release()
+
+    def _send(self, call: Call) -> Reply:
         try:
             response = self._open(call)
             try:

@@ -31,6 +31,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptBlock, LayoutMismatch
@@ -259,9 +260,59 @@ def verify_parts(
     return header
 
 
+# copy_verified's step: small enough that a step just copied is still in the L2
+# cache when it is checksummed (measured at 2 MiB blocks: 256 KiB steps beat
+# 64 KiB and 1 MiB ones, and a whole copy then a whole checksum by 10-15%).
+COPY_VERIFY_STEP = 256 << 10
+
+
+def copy_verified(
+    header_bytes: memoryview | bytes | bytearray,
+    source: memoryview | bytes | bytearray,
+    destination: memoryview | bytearray,
+) -> BlockHeader:
+    """Copy a payload from ``source`` into ``destination`` and ``verify_parts`` the copy,
+    in one pass: each step is checksummed right after it is copied, while it is
+    still in cache, so the payload is read from memory once, not twice.
+
+    What is checksummed is the copy, never ``source``: a source that changes
+    during the copy (shared memory) fails the check instead of being served.
+    Both numpy's copy and xxhash release the GIL, so copies run in parallel on
+    threads.
+    """
+    header = parse_header(header_bytes)
+    target = memoryview(destination).cast("B")
+    if memoryview(source).nbytes != header.payload_len or target.nbytes != header.payload_len:
+        raise CorruptBlock(
+            f"payload is {memoryview(source).nbytes} bytes, header says {header.payload_len}"
+        )
+    hasher = xxhash.xxh3_64(memoryview(header_bytes)[:_CHECKSUM_OFFSET])
+    _copy_hashing(source, target, hasher)
+    _compare_checksum(hasher, memoryview(header_bytes), header.key)
+    return header
+
+
+def _copy_hashing(
+    source: memoryview | bytes | bytearray, target: memoryview, hasher: xxhash.xxh3_64
+) -> None:
+    # Its own frame, so the arrays exporting ``source`` are gone before a checksum
+    # mismatch is raised: a traceback holding them would keep a shared-memory
+    # view from being released.
+    copy_from = np.frombuffer(source, dtype=np.uint8)
+    copy_to = np.frombuffer(target, dtype=np.uint8)
+    for start in range(0, copy_to.size, COPY_VERIFY_STEP):
+        end = start + COPY_VERIFY_STEP
+        np.copyto(copy_to[start:end], copy_from[start:end])
+        hasher.update(target[start:end])
+
+
 def _check_checksum(header: memoryview, payload: memoryview, key: ChunkKey) -> None:
     hasher = xxhash.xxh3_64(header[:_CHECKSUM_OFFSET])
     hasher.update(payload)
+    _compare_checksum(hasher, header, key)
+
+
+def _compare_checksum(hasher: xxhash.xxh3_64, header: memoryview, key: ChunkKey) -> None:
     stored = int.from_bytes(header[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8], "little")
     if hasher.intdigest() != stored:
         raise CorruptBlock(f"checksum mismatch for block {key.hex()}")

@@ -113,13 +113,17 @@ class CachedPrefix:
     """The answer to ``lookup``: how many leading tokens are cached, and where.
 
     ``keys`` and ``tiers`` cover the cached chunks only (the leading run);
-    ``tiers[i]`` is the fastest tier holding chunk ``i``.
+    ``tiers[i]`` is the fastest tier holding chunk ``i``. ``load_chunks`` says
+    how many of them are worth loading: where loading from a slow tier takes
+    longer than recomputing (``config.CostModel``), the engine should load the
+    first ``load_chunks`` and recompute the rest. ``None`` means all of them.
     """
 
     chunk_tokens: int
     keys: tuple[ChunkKey, ...]
     tiers: tuple[TierKind, ...]
     total_chunks: int
+    load_chunks: int | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -128,6 +132,12 @@ class CachedPrefix:
     @property
     def num_tokens(self) -> int:
         return self.num_chunks * self.chunk_tokens
+
+    @property
+    def load_tokens(self) -> int:
+        """Leading tokens worth loading rather than recomputing."""
+        chunks = self.num_chunks if self.load_chunks is None else self.load_chunks
+        return chunks * self.chunk_tokens
 
     def tokens_by_tier(self) -> dict[TierKind, int]:
         counts: dict[TierKind, int] = {}

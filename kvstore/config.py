@@ -18,6 +18,10 @@ uvicorn keeps ``Config`` apart from ``Server``). A TOML file looks like::
     capacity = "16GiB"
     ttl_s = 86400
 
+    [costs]                          # reload vs recompute (``CostModel``); defaults shown
+    recompute_tokens_per_s = 17500
+    dram_bytes_per_s = 50e9
+
 Environment variables override the file: ``KVSTORE_CONFIG`` names the file,
 ``KVSTORE_<TIER>_<FIELD>`` sets one field of one tier (``KVSTORE_DRAM_CAPACITY=8GiB``,
 ``KVSTORE_REDIS_URL=redis://...`` adds a Redis tier), and ``KVSTORE_<FIELD>``
@@ -36,7 +40,7 @@ import decimal
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +112,78 @@ class TierConfig:
 
 
 @dataclass(frozen=True)
+class CostModel:
+    """What loading cached KV from each tier costs, against recomputing it (prefill).
+
+    Loading ``n`` tokens from tier ``t`` takes ``n * bytes_per_token / <t>_bytes_per_s``
+    seconds, recomputing them ``n / recompute_tokens_per_s``. A tier that reloads
+    slower than ``bytes_per_token * recompute_tokens_per_s`` loses to recomputing,
+    and ``lookup`` says so (``CachedPrefix.load_chunks``).
+
+    Defaults model Llama-3.1-8B in bf16 (128 KiB of KV per token) on one
+    H100/H200-class GPU (``shared/reference/perf_anchors.md``): pinned DRAM to
+    HBM ~50 GB/s, one NVMe SSD through LMDB ~5 GB/s, Redis ~1.5 GB/s; prefill
+    ~17.5K tokens/s (a 10k-token prefix in 572 ms on an H800). HBM to HBM is a
+    device copy, ~1.5 TB/s. With these, break-even is ~2.3 GB/s: Redis loses.
+    ``kv_bytes_per_token`` overrides the namespace layout's size (the replay's
+    stand-in payloads are one byte per token).
+    """
+
+    recompute_tokens_per_s: float = 17_500.0
+    hbm_bytes_per_s: float = 1.5e12
+    dram_bytes_per_s: float = 50e9
+    ssd_bytes_per_s: float = 5e9
+    redis_bytes_per_s: float = 1.5e9
+    kv_bytes_per_token: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ConfigError(f"costs.{f.name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> CostModel:
+        """The ``[costs]`` table; rates may be numbers or sizes (``"50GB"``)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown cost setting(s): {sorted(unknown)}")
+        values = {
+            name: parse_size(value) if isinstance(value, str) else value
+            for name, value in data.items()
+        }
+        return cls(**values)
+
+    def bytes_per_s(self, kind: TierKind) -> float:
+        """Reload bandwidth of tier ``kind`` into the engine's KV memory."""
+        return float(getattr(self, f"{kind.label}_bytes_per_s"))
+
+    def load_seconds(self, kind: TierKind, tokens: float, bytes_per_token: float) -> float:
+        return tokens * bytes_per_token / self.bytes_per_s(kind)
+
+    def recompute_seconds(self, tokens: float) -> float:
+        return tokens / self.recompute_tokens_per_s
+
+    def worth_loading(self, kind: TierKind, bytes_per_token: float) -> bool:
+        """Whether loading from ``kind`` is at least as fast as recomputing."""
+        return self.load_seconds(kind, 1.0, bytes_per_token) <= self.recompute_seconds(1.0)
+
+    def load_run(self, tiers: Sequence[TierKind], chunk_tokens: int, bytes_per_token: float) -> int:
+        """How many leading chunks of a cached run (``tiers[i]``: where chunk ``i`` is)
+        to load; the rest is recomputed. The cut saves the most time; a cached
+        prefix stays a prefix, so one slow chunk may be worth loading to reach
+        fast ones behind it."""
+        recompute = self.recompute_seconds(chunk_tokens)
+        best, best_cut, saved = 0.0, 0, 0.0
+        for i, kind in enumerate(tiers):
+            saved += recompute - self.load_seconds(kind, chunk_tokens, bytes_per_token)
+            if saved >= best:
+                best, best_cut = saved, i + 1
+        return best_cut
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Settings of a ``TieredStore``; ``tiers`` is ordered fastest first."""
 
@@ -118,6 +194,7 @@ class StoreConfig:
     scan_on_open: bool = True
     scrub_interval_s: float | None = None
     data_dir: Path = field(default_factory=default_cache_dir)
+    costs: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -159,11 +236,14 @@ class StoreConfig:
             raise ConfigError("'tiers' must be a table of tables, e.g. [tiers.dram]")
         root = Path(os.path.expanduser(str(data.pop("data_dir", data_dir or default_cache_dir()))))
         tiers = tuple(_tier_from_mapping(name, spec, root) for name, spec in tiers_data.items())
-        store_fields = {f.name for f in dataclasses.fields(cls)} - {"tiers", "data_dir"}
+        costs_data = data.pop("costs", {})
+        if not isinstance(costs_data, Mapping):
+            raise ConfigError("'costs' must be a table, e.g. [costs]")
+        store_fields = {f.name for f in dataclasses.fields(cls)} - {"tiers", "data_dir", "costs"}
         unknown = set(data) - store_fields
         if unknown:
             raise ConfigError(f"unknown store setting(s): {sorted(unknown)}")
-        return cls(tiers=tiers, data_dir=root, **data)
+        return cls(tiers=tiers, data_dir=root, costs=CostModel.from_mapping(costs_data), **data)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:

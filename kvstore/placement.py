@@ -202,11 +202,20 @@ class Placement:
             return True
         return False
 
-    def evict(self, kind: TierKind, key: ChunkKey, meta: BlockMeta) -> None:
-        """Write ``key`` back below ``kind`` unless a lower tier has it, then drop it
-        from ``kind``. A block that cannot be read back is dropped, not moved."""
-        lower = self.below(kind)
-        if lower is not None and not any(other > kind for other in meta.sizes):
+    def evict(
+        self,
+        kind: TierKind,
+        key: ChunkKey,
+        meta: BlockMeta,
+        *,
+        to: TierKind | None = None,
+        drop: bool = False,
+    ) -> None:
+        """Write ``key`` back below ``kind`` (into ``to`` if given) unless a tier at or
+        below that one has it, then drop it from ``kind``; ``drop`` skips the
+        write-back. A block that cannot be read back is dropped, not moved."""
+        lower = None if drop else (to if to is not None else self.below(kind))
+        if lower is not None and not any(other >= lower for other in meta.sizes):
             buffers = self.tiers[kind].get_many(meta.namespace, [key])
             if buffers and buffers[0] is not None:
                 try:

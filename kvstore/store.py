@@ -29,13 +29,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
 
-from kvstore.block import HEADER_BYTES, stored_block, verify_block
+from kvstore.block import (
+    HEADER_BYTES,
+    Block,
+    check_identity,
+    encode_block,
+    parse_header,
+    stored_block,
+    verify_block,
+)
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.codec import CodecSpec
 from kvstore.config import StoreConfig
@@ -65,6 +73,29 @@ class SharedBlock:
     key: ChunkKey
     offset: int
     nbytes: int
+
+
+@dataclass(slots=True)
+class ServedGet:
+    """A get whose caller sends each block from where it lies (``TieredStore.serve``).
+
+    Block ``i`` is ``shared[i]`` when DRAM holds it: the caller sends a view of
+    the arena (``arena_view``) instead of a copy. Otherwise, if ``lengths[i]``
+    is not ``None``, a lower tier holds it and ``read_served`` fetches it.
+    ``lengths`` are known before anything is read, so a response can state
+    every block's size up front; ``None`` is a miss. ``tiers[i]`` is the tier
+    the block was found in. Every key in ``pinned`` stays pinned (not evictable)
+    until ``release_served``. ``lost`` counts blocks that ``read_served`` found
+    gone after all.
+    """
+
+    namespace: Namespace
+    keys: list[ChunkKey]
+    shared: list[SharedBlock | None]
+    lengths: list[int | None]
+    tiers: list[TierKind | None]
+    pinned: list[ChunkKey]
+    lost: int = 0
 
 
 # Tiers whose contents die with the process; ``flush`` copies them down.
@@ -102,6 +133,7 @@ class TieredStore:
         self._placement = Placement(
             tiers, codecs, self._index, policy if policy is not None else LRUPolicy(), self._stats
         )
+        self._has_shared_tier = any(kind.shared for kind in tiers)
         if self.config.scan_on_open:
             with self._lock:
                 self._placement.rebuild_index()
@@ -138,7 +170,8 @@ class TieredStore:
     # -- lookup -----------------------------------------------------------
 
     def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> CachedPrefix:
-        """How many leading chunks are cached, and the fastest tier holding each."""
+        """How many leading chunks are cached, the fastest tier holding each, and how
+        many of them are worth loading rather than recomputing (``config.costs``)."""
         self.register(namespace)
         keys = self.keys_for(namespace, tokens_or_keys)
         located = self.locate(namespace, keys)
@@ -147,12 +180,39 @@ class TieredStore:
             self._stats.lookups += 1
             self._stats.lookup_tokens += len(keys) * namespace.chunk_tokens
             self._stats.lookup_hit_tokens += run * namespace.chunk_tokens
+        tiers = tuple(tier for tier in located[:run] if tier is not None)
         return CachedPrefix(
             chunk_tokens=namespace.chunk_tokens,
             keys=tuple(keys[:run]),
-            tiers=tuple(tier for tier in located[:run] if tier is not None),
+            tiers=tiers,
             total_chunks=len(keys),
+            load_chunks=self.config.costs.load_run(
+                tiers, namespace.chunk_tokens, self._bytes_per_token(namespace)
+            ),
         )
+
+    def _bytes_per_token(self, namespace: Namespace) -> float:
+        """KV bytes per token for the cost model: configured, else the namespace layout's."""
+        configured = self.config.costs.kv_bytes_per_token
+        return configured or namespace.layout.chunk_nbytes / namespace.chunk_tokens
+
+    def lookup_nowait(
+        self, namespace: Namespace, tokens_or_keys: TokensOrKeys
+    ) -> CachedPrefix | None:
+        """``lookup`` if it can be answered at once from memory, else ``None``.
+
+        It can when no shared tier must be asked (the index is authoritative
+        for every other tier) and no other thread holds the store's lock. An
+        event loop calls this first and falls back to ``lookup`` on a worker
+        thread: it saves the thread hop without ever waiting for the lock a
+        long put or eviction may hold.
+        """
+        if self._has_shared_tier or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.lookup(namespace, tokens_or_keys)
+        finally:
+            self._lock.release()
 
     def locate(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
         """The fastest tier holding each key, or ``None``: every key, not only the
@@ -217,31 +277,95 @@ class TieredStore:
 
         ``kv_chunks[i]`` may be ``None`` for a chunk the caller knows is cached.
         Every chunk is validated before any is stored. Chunks already held are
-        not rewritten (a key names its content), only marked as used.
+        not rewritten (a key names its content), only marked as used, unless
+        they are held only where reloading is slower than recomputing
+        (``config.costs``): the engine recomputed those, and storing them again
+        puts them where loading pays.
         """
         self.register(namespace)
-        keys = self.keys_for(namespace, tokens_or_keys)
-        if len(kv_chunks) > len(keys):
-            raise LayoutMismatch(
-                f"{len(kv_chunks)} chunks given for {len(keys)} full chunks of tokens"
-            )
-        self._check_batch(len(kv_chunks))
-        payloads = [
-            (index, chunk_bytes(chunk, namespace.layout))
+        chain = self._chain(namespace, tokens_or_keys, len(kv_chunks))
+        payloads = {
+            index: chunk_bytes(chunk, namespace.layout)
             for index, chunk in enumerate(kv_chunks)
             if chunk is not None
-        ]
+        }
         placement = self._placement
-        chain = keys[: len(kv_chunks)]
+
+        def frame(index: int, parent: ChunkKey | None) -> Block:
+            return placement.encode(
+                namespace, chain[index], parent, payloads[index], placement.fastest
+            )
+
+        return self._store_chain(namespace, chain, list(payloads), frame, session)
+
+    def put_blocks(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        blocks: Sequence[Block | None],
+        *,
+        session: str | None = None,
+    ) -> int:
+        """``put`` for chunks that arrive as complete blocks (the daemon's puts): each
+        block is stored as it came, not hashed or framed again, unless the fastest
+        tier has a codec other than the block's (then it is re-encoded for it).
+
+        The caller has verified every checksum (the block crossed a trust
+        boundary to get here). What the store relies on is checked again here,
+        cheaply, before anything is stored: each header parses, names the key,
+        namespace and layout it is stored under, holds exactly one chunk, and
+        says how long its payload is.
+        """
+        self.register(namespace)
+        chain = self._chain(namespace, keys, len(blocks))
+        present = {index: block for index, block in enumerate(blocks) if block is not None}
+        for index, block in present.items():
+            _check_framed(namespace, chain[index], block)
+        placement = self._placement
+
+        def frame(index: int, parent: ChunkKey | None) -> Block:
+            return placement.reencode(present[index], placement.fastest)
+
+        return self._store_chain(namespace, chain, list(present), frame, session)
+
+    def _needs_storing(self, namespace: Namespace, key: ChunkKey) -> bool:
+        """Whether a put writes ``key``: it is not held, or held only in tiers that
+        reload slower than recomputing. Lock held."""
+        meta = self._index.get(key)
+        fastest = meta.fastest if meta is not None else None
+        if fastest is None:
+            return True
+        return not self.config.costs.worth_loading(fastest, self._bytes_per_token(namespace))
+
+    def _chain(
+        self, namespace: Namespace, tokens_or_keys: TokensOrKeys, count: int
+    ) -> list[ChunkKey]:
+        """The keys of the first ``count`` chunks, which a put of ``count`` chunks writes."""
+        keys = self.keys_for(namespace, tokens_or_keys)
+        if count > len(keys):
+            raise LayoutMismatch(f"{count} chunks given for {len(keys)} full chunks of tokens")
+        self._check_batch(count)
+        return keys[:count]
+
+    def _store_chain(
+        self,
+        namespace: Namespace,
+        chain: list[ChunkKey],
+        present: list[int],
+        frame: Callable[[int, ChunkKey | None], Block],
+        session: str | None,
+    ) -> int:
+        """Admit chunk ``i`` of ``chain`` for each ``i`` in ``present`` (``frame(i, parent)``
+        makes its block) unless already held; return how many were stored."""
+        placement = self._placement
         with self._lock:
             self._check_open()
             admissions = []
-            for index, payload in payloads:
-                if keys[index] in self._index:
+            for index in present:
+                if not self._needs_storing(namespace, chain[index]):
                     continue
-                parent = keys[index - 1] if index else None
-                block = placement.encode(namespace, keys[index], parent, payload, placement.fastest)
-                admissions.append(Admission(keys[index], block, parent))
+                parent = chain[index - 1] if index else None
+                admissions.append(Admission(chain[index], frame(index, parent), parent))
             # Touch the cached part of the chain first so its blocks are the
             # most recent while the new blocks make room.
             placement.touch(chain, session)
@@ -373,9 +497,19 @@ class TieredStore:
 
     # -- explicit movement ------------------------------------------------
 
-    def demote(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
+    def demote(
+        self, namespace: Namespace, keys: Sequence[ChunkKey], to: TierKind | None = None
+    ) -> int:
         """Move each unpinned key out of its fastest tier one level down (write-back).
-        Returns how many moved; a key held only by the last tier is dropped."""
+        Returns how many moved; a key held only by the last tier is dropped.
+
+        With ``to``, move each key out of every tier faster than ``to``, writing
+        it back into ``to`` (or the first configured tier below it) unless a copy
+        is already held there or lower; a key already no faster than ``to`` does
+        not count. A ``to`` below every configured tier drops the keys.
+        """
+        placement = self._placement
+        target = None if to is None else next((k for k in placement.order if k >= to), None)
         moved = 0
         with self._lock:
             self._check_open()
@@ -385,8 +519,14 @@ class TieredStore:
                     continue
                 fastest = meta.fastest
                 assert fastest is not None, "an indexed block is held somewhere"
-                self._placement.evict(fastest, key, meta)
-                moved += 1
+                if to is None:
+                    placement.evict(fastest, key, meta)
+                    moved += 1
+                    continue
+                faster = [kind for kind in sorted(meta.sizes) if target is None or kind < target]
+                for kind in faster:
+                    placement.evict(kind, key, meta, to=target, drop=target is None)
+                moved += bool(faster)
         return moved
 
     def promote(
@@ -421,23 +561,117 @@ class TieredStore:
         copy blocks out themselves. Every key returned (not ``None``) stays
         pinned, so it cannot be evicted and its extent cannot be reused, until
         the caller ``unpin``s it. Keys not in DRAM are ``None`` and not pinned.
+        The blocks shared count as DRAM hits.
         """
         dram = self._dram()
-        shared: list[SharedBlock | None] = []
         with self._lock:
             self._check_open()
-            for key in keys:
-                meta = self._index.get(key)
-                extent = None
-                if dram is not None and meta is not None and TierKind.DRAM in meta.sizes:
-                    extent = dram.extent_of(namespace.digest, key)
-                if meta is None or extent is None:
-                    shared.append(None)
-                    continue
-                meta.pins += 1
-                shared.append(SharedBlock(key, extent[0], extent[1]))
-            self._placement.touch([block.key for block in shared if block is not None])
+            shared = [self._pin_shared(dram, namespace, key) for key in keys]
+            self._count_shared(shared)
         return shared
+
+    def serve(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> ServedGet:
+        """Begin a get that the caller sends block by block (the daemon's bytes get).
+
+        Blocks in DRAM are pinned and shared, to be sent straight from the
+        arena; the others are located and pinned, to be read with
+        ``read_served`` as the sending reaches them. A block read from a
+        compressed tier is sent re-framed uncompressed, so every block's length
+        is known now. Always end with ``release_served``, whatever happened.
+        """
+        keys = list(keys)
+        located = self.locate(namespace, keys)
+        dram = self._dram()
+        framed_bytes = HEADER_BYTES + namespace.layout.chunk_nbytes
+        with self._lock:
+            self._check_open()
+            shared = [
+                None if tier is None else self._pin_shared(dram, namespace, key)
+                for key, tier in zip(keys, located, strict=True)
+            ]
+            elsewhere = [
+                key
+                for key, block, tier in zip(keys, shared, located, strict=True)
+                if block is None and tier is not None
+            ]
+            pinned = [block.key for block in shared if block is not None]
+            pinned += self._index.pin(elsewhere)
+            self._count_shared(shared)
+        return ServedGet(
+            namespace,
+            keys,
+            shared,
+            lengths=[
+                block.nbytes if block else None if tier is None else framed_bytes
+                for block, tier in zip(shared, located, strict=True)
+            ],
+            tiers=[
+                TierKind.DRAM if block else tier
+                for block, tier in zip(shared, located, strict=True)
+            ],
+            pinned=pinned,
+        )
+
+    def read_served(self, served: ServedGet, indices: Sequence[int]) -> list[memoryview | None]:
+        """The blocks ``indices`` of ``served`` that no DRAM extent was shared for, read,
+        verified and framed as ``served.lengths`` says; ``None`` for a block lost since
+        ``serve`` (deleted, or failing verification in every tier holding it)."""
+        namespace = served.namespace
+        keys = [served.keys[index] for index in indices]
+        chunks = self._read(namespace, keys)
+        blocks: list[memoryview | None] = []
+        for index, chunk in zip(indices, chunks, strict=True):
+            block = None
+            if chunk is not None:
+                block = chunk.block
+                if block is None:  # stored compressed: sent uncompressed
+                    framed = encode_block(namespace, chunk.key, None, chunk.payload)
+                    block = memoryview(framed.to_bytes())
+                if block.nbytes != served.lengths[index]:
+                    block = None
+            blocks.append(block)
+        with self._lock:
+            self._after_hits(namespace, keys, chunks)
+            served.lost += blocks.count(None)
+        return blocks
+
+    def release_served(self, served: ServedGet) -> None:
+        """Unpin what ``serve`` pinned, and count the get and its misses."""
+        with self._lock:
+            self._index.unpin(served.pinned)
+            served.pinned = []
+            self._stats.gets += 1
+            self._stats.get_misses += served.lengths.count(None) + served.lost
+
+    def arena_view(self, block: SharedBlock) -> memoryview:
+        """A read-only view of a shared (pinned) block in the DRAM arena."""
+        dram = self._dram()
+        if dram is None:
+            raise KVStoreError("this store has no DRAM tier")
+        return dram.arena.view(block.offset, block.nbytes)
+
+    def _pin_shared(
+        self, dram: DRAMTier | None, namespace: Namespace, key: ChunkKey
+    ) -> SharedBlock | None:
+        """Pin ``key`` and say where it lies if DRAM holds it; ``None`` otherwise. Lock held."""
+        meta = self._index.get(key)
+        if dram is None or meta is None or TierKind.DRAM not in meta.sizes:
+            return None
+        extent = dram.extent_of(namespace.digest, key)
+        if extent is None:
+            return None
+        meta.pins += 1
+        return SharedBlock(key, extent[0], extent[1])
+
+    def _count_shared(self, shared: Sequence[SharedBlock | None]) -> None:
+        """Count shared blocks as DRAM hits and mark them used. Lock held."""
+        served = [block for block in shared if block is not None]
+        if not served:
+            return
+        counters = self._stats.tier(TierKind.DRAM)
+        counters.hits += len(served)
+        counters.bytes_read += sum(block.nbytes for block in served)
+        self._placement.touch([block.key for block in served])
 
     def _dram(self) -> DRAMTier | None:
         guarded = self._placement.tiers.get(TierKind.DRAM)
@@ -627,3 +861,22 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise KVStoreError("the store is closed")
+
+
+def _check_framed(namespace: Namespace, key: ChunkKey, block: Block) -> None:
+    """Refuse a received block that is not one whole chunk of ``key`` in ``namespace``
+    (structure and identity only: the checksum was verified on arrival)."""
+    if len(block.header) != HEADER_BYTES:
+        raise CorruptBlock(f"block {key.hex()}: a header of {len(block.header)} bytes")
+    header = parse_header(block.header)
+    check_identity(header, namespace, key)
+    if header.raw_len != namespace.layout.chunk_nbytes:
+        raise LayoutMismatch(
+            f"block {key.hex()} holds {header.raw_len} bytes of KV, "
+            f"the namespace's chunk is {namespace.layout.chunk_nbytes}"
+        )
+    if header.payload_len != block.payload.nbytes:
+        raise CorruptBlock(
+            f"block {key.hex()} has {block.payload.nbytes} payload bytes, "
+            f"its header says {header.payload_len}"
+        )

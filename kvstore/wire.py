@@ -17,7 +17,10 @@ read from LMDB: a network transfer is a trust boundary.
 ``FrameDecoder`` is sans-IO: it is fed bytes as they arrive (from aiohttp's
 request stream on the daemon, from an httpx response on a client) and hands
 back the metadata and then each block, so neither side buffers a whole body
-it does not need to and both share one parser.
+it does not need to and both share one parser. By default each block comes
+back as one ``bytes``; in its one-copy mode (``into``) each block's header
+is kept aside and its payload copied once, as it arrives, into a buffer of
+the receiver's choosing (a fresh one, or the caller's own KV buffer).
 
 Errors are JSON ``{"error": {"code": ..., "message": ...}}`` with a stable
 ``code`` and the HTTP status of ``ERRORS``; the same table maps a response
@@ -29,10 +32,13 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from kvstore.block import HEADER_BYTES
 from kvstore.errors import (
     ConfigError,
     CorruptBlock,
@@ -243,11 +249,22 @@ class FrameLimits:
 
 @dataclass(frozen=True, slots=True)
 class ReceivedBlock:
-    """One block of a frames body: its position, key and bytes (``None`` if absent)."""
+    """One block of a frames body: its position, key and bytes (``None`` if absent).
+
+    ``data`` is the whole block, unless the decoder places payloads
+    (``FrameDecoder(into=...)``): then ``header`` holds the block's first
+    ``HEADER_BYTES`` and ``data`` the payload after them.
+    """
 
     index: int
     key: ChunkKey
-    data: bytes | None
+    data: bytes | memoryview | None
+    header: bytes | None = None
+
+
+# ``into(index, header, size)``: a writable buffer of exactly ``size`` bytes for the
+# payload of block ``index`` (whose header is ``header``), or ``None`` for a fresh one.
+PayloadBuffer = Callable[[int, bytes, int], memoryview | None]
 
 
 class FrameDecoder:
@@ -257,20 +274,39 @@ class FrameDecoder:
     returned by ``feed`` in order. Anything malformed (a length field past the
     limits, bad JSON, a block list that does not match the bytes) raises
     ``WireError(MALFORMED_BODY)`` or ``WireError(REQUEST_TOO_LARGE)``.
+
+    With ``into`` (one-copy mode), each block is split as it arrives: its first
+    ``HEADER_BYTES`` (fewer if the block is shorter) are kept aside, and as soon
+    as they are in, ``into`` chooses where the rest goes; the bytes fed are
+    copied there directly, once, and never buffered. The default mode instead
+    appends every byte to a buffer and cuts each block out of it as ``bytes``
+    (three copies of each byte: cheap for small bodies, not for KV).
     """
 
-    def __init__(self, limits: FrameLimits | None = None) -> None:
+    def __init__(
+        self, limits: FrameLimits | None = None, *, into: PayloadBuffer | None = None
+    ) -> None:
         self.limits = limits or FrameLimits()
         self.meta: dict[str, Any] | None = None
-        self._buffer = bytearray()
+        self._into = into
+        self._buffer = bytearray()  # one-copy mode: only until the metadata is parsed
         self._entries: list[tuple[ChunkKey, int | None]] = []
         self._next = 0
+        # One-copy mode: the block being received.
+        self._header = bytearray()
+        self._payload: memoryview | None = None
+        self._filled = 0
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[ReceivedBlock]:
+        if self._into is not None and self.meta is not None:
+            return self._place(memoryview(data).cast("B"))
         self._buffer += data
         received: list[ReceivedBlock] = []
         if self.meta is None and not self._parse_meta():
             return received
+        if self._into is not None:
+            rest, self._buffer = self._buffer, bytearray()
+            return self._place(memoryview(rest))
         while self._next < len(self._entries):
             key, length = self._entries[self._next]
             if length is None:
@@ -289,6 +325,48 @@ class FrameDecoder:
         """Raise unless the body ended exactly after its last block."""
         if self.meta is None or self._next != len(self._entries) or self._buffer:
             raise WireError(ErrorCode.MALFORMED_BODY, "body ended before its last block")
+
+    def _place(self, view: memoryview) -> list[ReceivedBlock]:
+        """One-copy mode: copy ``view`` into the blocks it continues."""
+        received: list[ReceivedBlock] = []
+        while self._next < len(self._entries):
+            key, length = self._entries[self._next]
+            if length is None:
+                received.append(ReceivedBlock(self._next, key, None))
+                self._next += 1
+                continue
+            if self._payload is None:
+                head = min(length, HEADER_BYTES)
+                take = min(view.nbytes, head - len(self._header))
+                self._header += view[:take]
+                view = view[take:]
+                if len(self._header) < head:
+                    break
+                self._payload = self._payload_buffer(length - head)
+            take = min(view.nbytes, self._payload.nbytes - self._filled)
+            self._payload[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            if self._filled < self._payload.nbytes:
+                break
+            received.append(ReceivedBlock(self._next, key, self._payload, bytes(self._header)))
+            self._header.clear()
+            self._payload, self._filled = None, 0
+            self._next += 1
+        if view.nbytes:
+            raise WireError(ErrorCode.MALFORMED_BODY, "bytes after the last block")
+        return received
+
+    def _payload_buffer(self, size: int) -> memoryview:
+        assert self._into is not None
+        buffer = self._into(self._next, bytes(self._header), size)
+        if buffer is None:
+            # np.empty, not bytearray: not zero-filled first (allocating and filling
+            # MiB-sized buffers measured ~2.5x faster).
+            return np.empty(size, dtype=np.uint8).data
+        if buffer.readonly or buffer.nbytes != size:
+            raise ValueError(f"into() must give a writable buffer of {size} bytes")
+        return buffer.cast("B")
 
     def _parse_meta(self) -> bool:
         if len(self._buffer) < _LENGTH.size:

@@ -73,12 +73,27 @@ class OnlineLearner:
     """
 
     def __init__(
-        self, model: ReturnModel, tracker: SessionTracker, scores: PrequentialScores | None = None
+        self,
+        model: ReturnModel,
+        tracker: SessionTracker,
+        scores: PrequentialScores | None = None,
+        *,
+        learn_at_horizon: bool = False,
     ) -> None:
+        """``learn_at_horizon``: learn (and score) each label when its horizon closes, a
+        return's too, rather than as soon as it is known. A return is known early but a
+        non-return only at the horizon, so learning returns at once feeds the model
+        fresher positives than negatives; with any feature that moves with time (the
+        clock, a session's age) it learns that "now" is a time of returns: the
+        delayed-feedback bias. Replaying the Mooncake conversation trace, P(back within
+        10 min) drifted to 0.999 against a base rate of 0.34 (Brier 0.62) without it,
+        and stayed calibrated with it (Brier 0.22)."""
         self.model = model
         self.tracker = tracker
         self.scores = scores
+        self.learn_at_horizon = learn_at_horizon
         self._open: dict[str, _Open] = {}
+        self._returned: dict[_Open, float] = {}  # learn_at_horizon: forecast -> its gap
         # (deadline, sequence, horizon index, forecast): when a horizon of a forecast passes.
         # Entries of sessions that returned early stay until their deadline and are skipped
         # then, so the heap holds at most the forecasts of the last (largest horizon) seconds.
@@ -133,6 +148,9 @@ class OnlineLearner:
         entry = self._open.pop(state.session, None)
         if entry is None:
             return
+        if self.learn_at_horizon:  # labelled by ``tick`` as each horizon closes
+            self._returned[entry] = gap
+            return
         labels = [
             (entry, k, int(gap <= horizon))
             for k, horizon in enumerate(entry.forecast.horizons)
@@ -141,11 +159,17 @@ class OnlineLearner:
         self._learn(labels)
 
     def tick(self, now: float) -> None:
-        """Label 0 every open horizon that has passed by ``now`` (strictly), in one step."""
+        """Label 0 every open horizon that has passed by ``now`` (strictly), in one step
+        (with ``learn_at_horizon``, returns' labels too, 1 where the gap was within)."""
         labels: list[tuple[_Open, int, int]] = []
         while self._deadlines and self._deadlines[0][0] < now:
             _, _, k, entry = heapq.heappop(self._deadlines)
-            if self._open.get(entry.forecast.session) is entry and entry.unknown[k]:
+            gap = self._returned.get(entry)
+            if gap is not None:
+                labels.append((entry, k, int(gap <= entry.forecast.horizons[k])))
+                if k == len(entry.forecast.horizons) - 1:
+                    del self._returned[entry]
+            elif self._open.get(entry.forecast.session) is entry and entry.unknown[k]:
                 labels.append((entry, k, 0))
         self._learn(labels)
 

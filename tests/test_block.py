@@ -11,6 +11,7 @@ import pytest
 import xxhash
 
 from kvstore.block import (
+    COPY_VERIFY_STEP,
     DTYPE_CODES,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -19,6 +20,7 @@ from kvstore.block import (
     BlockHeader,
     Codec,
     check_identity,
+    copy_verified,
     encode_block,
     frame_block,
     parse_header,
@@ -244,6 +246,66 @@ def test_payload_check_can_be_skipped_for_trusted_memory() -> None:
         verify_block(corrupted[:-1], check_payload=False)
     with pytest.raises(CorruptBlock):
         verify_block(b"XXXX" + corrupted[4:], check_payload=False)
+
+
+# copy_verified checksums step by step: a flip must be caught wherever it falls in a
+# step (first byte, last byte, inside) and in whichever step (first, middle, last,
+# the last one short), as well as in the header.
+STEPPED = 2 * COPY_VERIFY_STEP + 1000
+STEP_POSITIONS = [
+    0,
+    1,
+    COPY_VERIFY_STEP // 2,
+    COPY_VERIFY_STEP - 1,
+    COPY_VERIFY_STEP,
+    COPY_VERIFY_STEP + 1,
+    2 * COPY_VERIFY_STEP - 1,
+    2 * COPY_VERIFY_STEP,
+    STEPPED - 1,
+]
+
+
+def test_copy_verified_copies_and_verifies() -> None:
+    data = stored(payload_bytes(STEPPED))
+    destination = bytearray(STEPPED)
+    header = copy_verified(data[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:], destination)
+    assert header == verify_block(data) and bytes(destination) == data[HEADER_BYTES:]
+
+
+@pytest.mark.parametrize("offset", STEP_POSITIONS)
+def test_copy_verified_catches_a_flip_anywhere_in_any_step(offset: int) -> None:
+    data = _flip(stored(payload_bytes(STEPPED)), (HEADER_BYTES + offset) * 8 + 5)
+    with pytest.raises(CorruptBlock, match="checksum"):
+        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
+
+
+@pytest.mark.parametrize("offset", [8, 56, 80, 95])  # digest, layout, raw_len, checksum
+def test_copy_verified_catches_a_flip_in_the_header(offset: int) -> None:
+    data = _flip(stored(payload_bytes(STEPPED)), offset * 8)
+    with pytest.raises(CorruptBlock):
+        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
+
+
+def test_copy_verified_checks_the_copy_not_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that differs from its intact source (shared memory written while it was
+    copied) fails: what is checksummed is what landed in the destination."""
+    data = stored(payload_bytes(STEPPED))
+    copyto = np.copyto
+
+    def torn(destination: np.ndarray, source: np.ndarray) -> None:
+        copyto(destination, source)
+        destination[-1] ^= 1
+
+    monkeypatch.setattr(np, "copyto", torn)
+    with pytest.raises(CorruptBlock, match="checksum"):
+        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
+
+
+@pytest.mark.parametrize("size", [STEPPED - 1, STEPPED + 1])
+def test_copy_verified_refuses_buffers_of_another_size(size: int) -> None:
+    data = stored(payload_bytes(STEPPED))
+    with pytest.raises(CorruptBlock, match="payload is"):
+        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:][:size], bytearray(size))
 
 
 @pytest.mark.parametrize("length", [0, 1, 4, 95, 127, 128, 129, 1000, -1])

@@ -20,6 +20,7 @@ from support.clients import FLAVOURS, opened, run_in_threads
 from support.daemon import Daemon
 
 from kvstore import (
+    KVLayout,
     KVStoreError,
     LayoutMismatch,
     Namespace,
@@ -208,6 +209,45 @@ def test_caller_mistakes_raise(flavour: str, target: Target, ns: Namespace) -> N
             wrong_dtype = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float32)]
             with pytest.raises(LayoutMismatch):
                 await store.put(ns, kv.tokens(1), wrong_dtype)
+
+    asyncio.run(scenario())
+
+
+# 3 MiB chunks: bodies far past the socket buffers (partial sends, many reads per
+# block) and leases large enough to be copied by two threads.
+BIG_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, chunk_tokens=192)
+
+
+@pytest.mark.parametrize("transport", DAEMON_TRANSPORTS)
+def test_multi_mib_chunks_round_trip_bit_for_bit(
+    flavour: str, transport: str, daemon: Daemon, request: pytest.FixtureRequest
+) -> None:
+    target = daemon_target(daemon, transport)
+    ns = Namespace("big-chunks", BIG_LAYOUT, tenant_salt=request.node.name)
+    tokens = np.arange(3 * BIG_LAYOUT.chunk_tokens)
+    generator = torch.Generator().manual_seed(8)
+    chunks = [
+        torch.randn(BIG_LAYOUT.chunk_shape, generator=generator).to(torch.bfloat16)
+        for _ in range(3)
+    ]
+    keys = chunk_keys(ns, tokens)
+
+    async def scenario() -> None:
+        async with opened(flavour, target.url, **target.options) as store:
+            assert await store.put(ns, tokens, chunks) == 3
+            for _ in range(2):  # the second time in reused buffers
+                got = await store.get(ns, keys)
+                assert all(same_bytes(c, t) for c, t in zip(got, chunks, strict=True))
+                del got
+            out = [torch.empty_like(chunk) for chunk in chunks]
+            got = await store.get(ns, keys, out=out)
+            assert all(
+                torch.equal(buffer, chunk) for buffer, chunk in zip(out, chunks, strict=True)
+            )
+            for chunk, buffer in zip(got, out, strict=True):
+                payload = np.frombuffer(chunk.payload, dtype=np.uint8)
+                assert np.shares_memory(payload, buffer.view(torch.uint8).numpy())
+            assert await store.client_stats() == ClientStats()
 
     asyncio.run(scenario())
 

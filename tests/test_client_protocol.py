@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
@@ -27,15 +29,18 @@ from kvstore import (
     TierUnavailable,
     chunk_keys,
 )
-from kvstore.block import encode_block
+from kvstore.block import Codec, encode_block
 from kvstore.chunk import chunk_bytes
-from kvstore.client import AsyncStoreClient, ClientStats, StoreClient
+from kvstore.client import AsyncStoreClient, ClientStats, StoreClient, aio, sync
+from kvstore.client import blocks as client_blocks
 from kvstore.client.address import TOKEN_ENV, Address, Scheme, bearer_token
-from kvstore.client.blocks import FramesSink, LeasedBlock, copy_leased
-from kvstore.client.protocol import Call, ClientProtocol, Reply
+from kvstore.client.blocks import FramesSink, LeasedBlock, copy_leased, tier_of
+from kvstore.client.buffers import BufferPool
+from kvstore.client.protocol import BODY_SLICE_BYTES, Call, ClientProtocol, Reply
 from kvstore.client.shm import SharedArena
+from kvstore.codec import encode_payload
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import ChunkKey, KVLayout, Namespace
 from kvstore.wire import ErrorCode, encode_frames, error_body
 
 NS = kv.namespace(salt="protocol")
@@ -134,7 +139,7 @@ def test_frames_sink_turns_every_bad_block_into_a_counted_miss() -> None:
         block_bytes(other, keys[3], CHUNKS[0]),  # the right key, another namespace
         None,  # not cached
     ]
-    sink = FramesSink(NS, keys, None)
+    sink = FramesSink(NS, keys, None, BufferPool(1 << 20))
     feed_in_pieces(sink, frames(blocks, keys))
     assert [chunk is not None for chunk in sink.received.chunks] == [
         True,
@@ -153,12 +158,34 @@ def test_frames_sink_turns_every_bad_block_into_a_counted_miss() -> None:
 def test_frames_sink_writes_payloads_into_out_buffers() -> None:
     out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS]
     destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
-    sink = FramesSink(NS, KEYS, destinations)
+    sink = FramesSink(NS, KEYS, destinations, BufferPool(1 << 20))
     feed_in_pieces(sink, frames([BLOCKS[0], None, BLOCKS[2]]), size=100)
     assert torch.equal(out[0], CHUNKS[0]) and torch.equal(out[2], CHUNKS[2])
     chunk = sink.received.chunks[2]
     assert chunk is not None
     assert np.shares_memory(np.frombuffer(chunk.payload, dtype=np.uint8), destinations[2])
+
+
+def test_frames_sink_decodes_a_compressed_block_into_out_buffers() -> None:
+    raw = chunk_bytes(CHUNKS[1], NS.layout)
+    packed = memoryview(encode_payload(raw, "float16", Codec.ZSTD))
+    compressed = encode_block(NS, KEYS[1], None, packed, codec=Codec.ZSTD, raw_len=raw.nbytes)
+    assert compressed.nbytes != len(BLOCKS[1])
+    out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS]
+    destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
+    sink = FramesSink(NS, KEYS, destinations, BufferPool(1 << 20))
+    feed_in_pieces(sink, frames([BLOCKS[0], compressed.to_bytes(), BLOCKS[2]]), size=333)
+    assert all(torch.equal(buffer, chunk) for buffer, chunk in zip(out, CHUNKS, strict=True))
+    for chunk, destination in zip(sink.received.chunks, destinations, strict=True):
+        assert chunk is not None
+        assert np.shares_memory(np.frombuffer(chunk.payload, dtype=np.uint8), destination)
+
+
+def test_tier_labels_the_client_does_not_know_are_the_daemon_failing() -> None:
+    assert tier_of("ssd") is TierKind.SSD
+    for label in ("SSD", "floppy", None, ["dram"]):
+        with pytest.raises(TierUnavailable):
+            tier_of(label)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +199,7 @@ def test_frames_sink_writes_payloads_into_out_buffers() -> None:
     ids=["truncated", "trailing", "short", "huge-meta"],
 )
 def test_frames_sink_refuses_a_malformed_body_as_the_daemon_failing(body: bytes) -> None:
-    sink = FramesSink(NS, KEYS, None)
+    sink = FramesSink(NS, KEYS, None, BufferPool(1 << 20))
     with pytest.raises(TierUnavailable):
         feed_in_pieces(sink, body)
 
@@ -197,7 +224,7 @@ def arena() -> Any:
 @pytest.mark.parametrize("into_out", [False, True])
 def test_copy_leased_verifies_what_it_copied(arena: SharedArena, into_out: bool) -> None:
     size = len(BLOCKS[0])
-    keys = [*KEYS, *chunk_keys(NS, kv.tokens(3, start=10_000))]
+    keys = [*KEYS, *chunk_keys(NS, kv.tokens(4, start=10_000))]
     entries = [
         LeasedBlock(0, size, TierKind.DRAM, inline=False),
         LeasedBlock(8192, size, TierKind.DRAM, inline=False),  # tampered in the arena
@@ -205,18 +232,118 @@ def test_copy_leased_verifies_what_it_copied(arena: SharedArena, into_out: bool)
         LeasedBlock(60 << 10, size, TierKind.DRAM, inline=False),  # runs past the arena
         LeasedBlock(None, None, None, inline=True),
         LeasedBlock(None, None, None, inline=False),  # missing
+        LeasedBlock(0, 100, TierKind.DRAM, inline=False),  # shorter than a header
     ]
     out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in keys]
     destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
-    received = copy_leased(arena, NS, keys, entries, destinations if into_out else None)
-    assert [chunk is not None for chunk in received.chunks] == [True, False, True] + [False] * 3
-    assert received.corrupt == 2 and received.inline == [4]
+    received = copy_leased(
+        arena, NS, keys, entries, destinations if into_out else None, BufferPool(1 << 20)
+    )
+    assert [chunk is not None for chunk in received.chunks] == [True, False, True] + [False] * 4
+    assert received.corrupt == 3 and received.inline == [4]
     for index in (0, 2):
         chunk = received.chunks[index]
         assert chunk is not None and payload_of(chunk) == expected(index)
         assert torch.equal(out[index], CHUNKS[index]) is into_out
     with pytest.raises(CorruptBlock):
         arena.block(-1, 10)
+
+
+SLOT = 8192
+FOUR_KEYS = chunk_keys(NS, kv.tokens(4, start=50_000))
+FOUR_CHUNKS = kv.chunks(4, seed=7)
+
+
+@pytest.fixture
+def four_blocks() -> Iterator[SharedArena]:
+    """An arena of four blocks, the second and the fourth changed in shared memory."""
+    segment = shared_memory.SharedMemory(create=True, size=4 * SLOT)
+    try:
+        for index, (key, chunk) in enumerate(zip(FOUR_KEYS, FOUR_CHUNKS, strict=True)):
+            block = block_bytes(NS, key, chunk)
+            segment.buf[index * SLOT : index * SLOT + len(block)] = block
+        for index in (1, 3):
+            segment.buf[index * SLOT + 500] ^= 0x10
+        mapped = SharedArena(segment.name)
+        try:
+            yield mapped
+        finally:
+            mapped.close()
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+def four_entries() -> list[LeasedBlock]:
+    size = len(block_bytes(NS, FOUR_KEYS[0], FOUR_CHUNKS[0]))
+    return [LeasedBlock(index * SLOT, size, TierKind.DRAM, inline=False) for index in range(4)]
+
+
+@pytest.mark.parametrize("into_out", [False, True])
+@pytest.mark.parametrize("helper_busy", [False, True])
+def test_a_large_lease_is_copied_by_two_threads(
+    four_blocks: SharedArena, monkeypatch: pytest.MonkeyPatch, into_out: bool, helper_busy: bool
+) -> None:
+    """Each half (blocks 0-1 here, 2-3 on the helper) verified, a corrupt block in each;
+    a helper busy with another call's copy leaves both halves to the caller."""
+    monkeypatch.setattr(client_blocks, "PARALLEL_COPY_BYTES", 0)
+    out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in FOUR_KEYS]
+    destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
+    copied_by: dict[ChunkKey, str] = {}
+    real_copy_one = client_blocks._copy_one
+
+    def copy_one(view: memoryview, namespace: Namespace, key: ChunkKey, *rest: Any) -> Any:
+        copied_by[key] = threading.current_thread().name
+        return real_copy_one(view, namespace, key, *rest)
+
+    monkeypatch.setattr(client_blocks, "_copy_one", copy_one)
+    busy = threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="helper") as helper:
+        if helper_busy:
+            helper.submit(busy.wait, 10.0)
+        received = copy_leased(
+            four_blocks,
+            NS,
+            FOUR_KEYS,
+            four_entries(),
+            destinations if into_out else None,
+            BufferPool(1 << 20),
+            helper,
+        )
+        busy.set()
+    assert [chunk is not None for chunk in received.chunks] == [True, False, True, False]
+    assert received.corrupt == 2
+    for index in (0, 2):
+        chunk = received.chunks[index]
+        assert chunk is not None and torch.equal(chunk.tensor(), FOUR_CHUNKS[index])
+        assert torch.equal(out[index], FOUR_CHUNKS[index]) is into_out
+    on_helper = [copied_by[key].startswith("helper") for key in FOUR_KEYS]
+    assert on_helper == [False, False] + [not helper_busy] * 2
+
+
+def address(buffer: memoryview) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+def test_a_pool_buffer_is_reused_only_once_nothing_refers_to_it() -> None:
+    pool = BufferPool(1 << 20)
+    first = pool.take(4096)
+    where = address(first)
+    tensor = torch.frombuffer(first, dtype=torch.uint8)  # what a caller makes of a chunk
+    del first
+    second = pool.take(4096)
+    assert address(second) != where
+    del tensor
+    assert address(pool.take(4096)) == where
+
+
+def test_a_pool_keeps_at_most_its_limit() -> None:
+    pool = BufferPool(8192)
+    taken = [pool.take(4096) for _ in range(3)]
+    del taken
+    assert pool.held_bytes == 8192
+    again = [pool.take(4096) for _ in range(3)]
+    assert pool.held_bytes == 0 and len({address(buffer) for buffer in again}) == 3
 
 
 def test_lease_entries_that_make_no_sense_are_the_daemon_failing() -> None:
@@ -290,16 +417,52 @@ def test_caller_mistakes_raise_before_any_exchange() -> None:
         next(protocol.get(NS, KEYS, [bytearray(kv.LAYOUT.chunk_nbytes)]))
 
 
+def test_a_put_body_goes_out_in_slices_of_the_callers_buffers() -> None:
+    layout = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, chunk_tokens=160)
+    assert layout.chunk_nbytes > 2 * BODY_SLICE_BYTES
+    namespace = Namespace("big", layout)
+    tokens = np.arange(2 * layout.chunk_tokens)
+    chunks = [torch.randn(layout.chunk_shape).to(torch.bfloat16) for _ in range(2)]
+    operation = ClientProtocol(shm=False, backoff_s=0.0).put(namespace, tokens, chunks, None)
+    next(operation)  # registers the namespace
+    call = operation.send(ok({"namespace": namespace.digest.hex()}))
+    assert call.path == "/v1/put" and call.body is not None
+    assert all(memoryview(piece).nbytes <= BODY_SLICE_BYTES for piece in call.body)
+    assert int(call.headers["Content-Length"]) == sum(len(piece) for piece in call.body)
+    keys = chunk_keys(namespace, tokens)
+    stored = [
+        encode_block(namespace, key, parent, chunk_bytes(chunk, layout)).to_bytes()
+        for key, parent, chunk in zip(keys, [None, keys[0]], chunks, strict=True)
+    ]
+    meta = {
+        "namespace": namespace.digest.hex(),
+        "session": None,
+        "blocks": [{"key": k.hex(), "length": len(b)} for k, b in zip(keys, stored, strict=True)],
+    }
+    assert b"".join(call.body) == b"".join(bytes(p) for p in encode_frames(meta, stored))
+    payload = chunks[1].view(torch.uint8).reshape(-1).numpy()
+    assert any(np.shares_memory(np.frombuffer(piece, np.uint8), payload) for piece in call.body)
+
+
 # -- both shells over a mock transport -----------------------------------------------
 
 
 class FakeDaemon:
-    """Answers the API from a dict of blocks; ``script`` overrides the next answers."""
+    """Answers the API from a dict of blocks; ``script`` overrides the next answers.
+
+    Shared-memory gets lease the blocks of ``arena`` (a segment name) at the
+    offsets in ``leased``; ``hold`` runs before a release is answered, and
+    ``released`` lists the releases answered.
+    """
 
     def __init__(self) -> None:
         self.blocks: dict[str, bytes] = {}
         self.paths: list[str] = []
         self.script: list[httpx.Response | Exception] = []
+        self.arena: str | None = None
+        self.leased: dict[str, tuple[int, int]] = {}
+        self.hold: Callable[[], object] = lambda: None
+        self.released: list[str] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.paths.append(request.url.path)
@@ -313,6 +476,12 @@ class FakeDaemon:
             return httpx.Response(200, json={"namespace": NS.digest.hex()})
         if route == "events":
             return httpx.Response(200, json={"accepted": True})
+        if route == "shm":
+            return httpx.Response(200, json={"name": self.arena})
+        if route.startswith("leases/"):
+            self.hold()
+            self.released.append(route.split("/")[1])
+            return httpx.Response(200, json={"released": 1})
         body = json.loads(request.content)
         if route == "lookup":
             run = next(
@@ -320,6 +489,14 @@ class FakeDaemon:
                 len(body["keys"]),
             )
             return httpx.Response(200, json={"num_chunks": run, "tiers": ["dram"] * run})
+        if route == "get" and body["transfer"] == "shm":
+            entries = [
+                {"key": key, "offset": self.leased[key][0], "length": self.leased[key][1]}
+                | {"tier": "dram"}
+                for key in body["keys"]
+            ]
+            lease = f"lease{len(self.paths)}"
+            return httpx.Response(200, json={"lease": lease, "shm": self.arena, "blocks": entries})
         if route == "get":
             keys = [ChunkKey(bytes.fromhex(key)) for key in body["keys"]]
             return httpx.Response(
@@ -328,17 +505,24 @@ class FakeDaemon:
         raise AssertionError(f"unexpected {request.url.path}")
 
 
-def mock_client(flavour: str, daemon: FakeDaemon, backoff_s: float = 0.0) -> Face:
+def mock_client(
+    flavour: str, daemon: FakeDaemon, backoff_s: float = 0.0, shm: bool = False
+) -> Face:
     transport = httpx.MockTransport(daemon)
     client_type = StoreClient if flavour == "sync" else AsyncStoreClient
-    return Face(client_type("http://kvstore", transport=transport, backoff_s=backoff_s))
+    return Face(client_type("http://kvstore", transport=transport, backoff_s=backoff_s, shm=shm))
 
 
-def scenario(flavour: str, body: Callable[[Face, FakeDaemon], Any], backoff_s: float = 0.0) -> None:
+def scenario(
+    flavour: str,
+    body: Callable[[Face, FakeDaemon], Any],
+    backoff_s: float = 0.0,
+    shm: bool = False,
+) -> None:
     daemon = FakeDaemon()
 
     async def run() -> None:
-        client = mock_client(flavour, daemon, backoff_s)
+        client = mock_client(flavour, daemon, backoff_s, shm)
         try:
             await body(client, daemon)
         finally:
@@ -438,6 +622,55 @@ def test_a_connection_dead_before_answering_is_retried_once(flavour: str) -> Non
         assert (await client.client_stats()).events_dropped == 1
 
     scenario(flavour, body)
+
+
+@pytest.fixture
+def leased_daemon(arena: SharedArena) -> Callable[[FakeDaemon], None]:
+    """Sets a ``FakeDaemon`` up to lease blocks 0 and 2 of the ``arena`` fixture."""
+
+    def setup(daemon: FakeDaemon) -> None:
+        daemon.arena = arena.name
+        daemon.leased = {KEYS[i].hex(): (i * 8192, len(BLOCKS[i])) for i in (0, 2)}
+
+    return setup
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_get_does_not_wait_for_its_lease_release_but_close_does(
+    flavour: str, leased_daemon: Callable[[FakeDaemon], None]
+) -> None:
+    held = threading.Event()
+    seen: list[FakeDaemon] = []
+
+    async def body(client: Face, daemon: FakeDaemon) -> None:
+        seen.append(daemon)
+        leased_daemon(daemon)
+        if flavour == "sync":  # sent by another thread: hold its answer there
+            daemon.hold = lambda: held.wait(10.0)
+        got = await client.get(NS, [KEYS[0], KEYS[2]])
+        assert [payload_of(chunk) for chunk in got] == [expected(0), expected(2)]
+        assert daemon.released == []  # the get returned before its release was answered
+        held.set()
+        await client.get(NS, [KEYS[2]])
+
+    scenario(flavour, body, shm=True)
+    assert len(seen[0].released) == 2  # answered by close() at the latest
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_past_the_background_limit_a_release_is_sent_in_place(
+    flavour: str, leased_daemon: Callable[[FakeDaemon], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sync, "MAX_DETACHED_CALLS", 0)
+    monkeypatch.setattr(aio, "MAX_DETACHED_CALLS", 0)
+
+    async def body(client: Face, daemon: FakeDaemon) -> None:
+        leased_daemon(daemon)
+        got = await client.get(NS, [KEYS[0]])
+        assert got[0] is not None and payload_of(got[0]) == expected(0)
+        assert len(daemon.released) == 1
+
+    scenario(flavour, body, shm=True)
 
 
 def test_the_token_is_sent_as_a_bearer_header() -> None:

@@ -4,13 +4,17 @@ through bytes and shared memory, error codes, and the operational routes."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import socket
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import http_kv
@@ -18,8 +22,8 @@ from support.daemon import Daemon
 from support.http_kv import error_code, get_bytes, lookup, make_chain, put, register
 
 from kvstore import cli
-from kvstore.block import check_identity, verify_block
-from kvstore.keys import Namespace
+from kvstore.block import check_identity, encode_block, verify_block
+from kvstore.keys import KVLayout, Namespace, chunk_keys
 
 
 @pytest.fixture
@@ -249,3 +253,95 @@ def _samples(client: httpx.Client, name: str) -> dict[tuple[str, str], float]:
         for sample in family.samples
         if sample.name == name
     }
+
+
+# -- streamed bytes gets ------------------------------------------------------------
+
+# 1 MiB chunks, so a get's response outgrows the socket buffers and LMDB blocks
+# span several of the daemon's read windows (8 MiB).
+BIG_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", chunk_tokens=64)
+BIG_DRAM = """\
+data_dir = "{data_dir}"
+promote_on_hit = false
+
+[tiers.dram]
+capacity = "8MiB"
+
+[tiers.ssd]
+capacity = "128MiB"
+"""
+BIG_DRAM_SLOTS = 7  # 1 MiB + a 128-byte header, rounded up to pages
+
+
+def _big_chain(namespace: Namespace, n_chunks: int, start: int) -> http_kv.Chain:
+    keys = chunk_keys(namespace, np.arange(start, start + n_chunks * 64, dtype=np.int64))
+    rng = np.random.default_rng(start)
+    blocks = [
+        encode_block(
+            namespace,
+            key,
+            keys[i - 1] if i else None,
+            memoryview(rng.bytes(BIG_LAYOUT.chunk_nbytes)),
+        ).to_bytes()
+        for i, key in enumerate(keys)
+    ]
+    return http_kv.Chain(namespace, keys, blocks)
+
+
+def test_a_get_streams_dram_and_lmdb_blocks_in_order(daemon_factory: Callable[..., Daemon]) -> None:
+    instance = daemon_factory(BIG_DRAM, daemon={"max_body_bytes": 64 << 20})
+    ns = Namespace("big", BIG_LAYOUT, tenant_salt="streamed-get")
+    below = _big_chain(ns, 12, start=0)
+    above = _big_chain(ns, BIG_DRAM_SLOTS, start=100_000)
+    missing = _big_chain(ns, 1, start=900_000).keys
+    with instance.client(timeout_s=30) as client:
+        register(client, ns)
+        put(client, below)
+        put(client, above)  # takes all of DRAM: every block of ``below`` goes to LMDB
+        assert lookup(client, ns, below.keys)["tiers"] == ["ssd"] * 12
+        # Interleaved: DRAM, LMDB, a miss; LMDB blocks in two read windows.
+        keys = [*below.keys[:6], *above.keys, *missing, *below.keys[6:]]
+        meta, blocks = get_bytes(client, ns, keys)
+    tiers = ["ssd"] * 6 + ["dram"] * BIG_DRAM_SLOTS + [None] + ["ssd"] * 6
+    assert [entry["tier"] for entry in meta["blocks"]] == tiers
+    assert blocks == [*below.blocks[:6], *above.blocks, None, *below.blocks[6:]]
+
+
+def test_a_client_hanging_up_mid_get_leaves_no_pins(daemon_factory: Callable[..., Daemon]) -> None:
+    instance = daemon_factory(BIG_DRAM, daemon={"max_body_bytes": 64 << 20})
+    ns = Namespace("big", BIG_LAYOUT, tenant_salt="hang-up")
+    first = _big_chain(ns, BIG_DRAM_SLOTS, start=0)
+    with instance.client(timeout_s=30) as client:
+        register(client, ns)
+        put(client, first)
+        hung_up = _requests(client, "/v1/get", "499")
+        request = json.dumps(
+            {"namespace": ns.digest.hex(), "keys": first.hex_keys, "transfer": "bytes"}
+        ).encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(str(instance.socket_path))
+            raw.sendall(
+                b"POST /v1/get HTTP/1.1\r\nHost: kvstore\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(request), request)
+            )
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200")  # 7 MiB on their way
+        deadline = time.monotonic() + 10
+        while _requests(client, "/v1/get", "499") == hung_up:
+            assert time.monotonic() < deadline, "the daemon never noticed the hang-up"
+            time.sleep(0.05)
+        # Were the blocks still pinned, this chain would have to go around them.
+        put(client, _big_chain(ns, BIG_DRAM_SLOTS, start=100_000))
+        assert lookup(client, ns, first.keys)["tiers"] == ["ssd"] * BIG_DRAM_SLOTS
+
+
+def _requests(client: httpx.Client, route: str, status: str) -> float:
+    """How many requests to ``route`` the daemon answered with ``status``."""
+    text = client.get("/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvstore_http_requests_total"
+        and sample.labels["route"] == route
+        and sample.labels["status"] == status
+    )

@@ -310,7 +310,9 @@ def _serve(instance: Daemon) -> subprocess.CompletedProcess[str]:
 
 _BANNED = re.compile(
     r"^\s*(import|from)\s+(pickle|cPickle|_pickle|marshal|shelve|dill|cloudpickle)\b"
-    r"|\btorch\.load\(|\bpickle\.loads?\(|allow_pickle\s*=\s*True|yaml\.load\(",
+    # torch.load unpickles unless told weights_only=True (tensors and plain containers only).
+    r"|\btorch\.load\((?![^)]*weights_only=True)|\bpickle\.loads?\(|allow_pickle\s*=\s*True"
+    r"|yaml\.load\(",
     re.MULTILINE,
 )
 

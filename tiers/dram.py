@@ -44,6 +44,11 @@ class SharedMemoryArena:
     def read_into(self, offset: int, out: np.ndarray) -> None:
         np.copyto(out, self._array[offset : offset + out.size])
 
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A read-only view of ``nbytes`` at ``offset``, for sending a block without
+        copying it; valid only while the block stays put (pinned)."""
+        return self._array[offset : offset + nbytes].data.toreadonly()
+
     def close(self) -> None:
         if self.pinned:
             _unpin_host_memory(self._array)

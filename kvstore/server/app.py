@@ -110,7 +110,7 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
         status = response.status
         return response
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionError):
         status = 499  # the client went away, or the drain deadline passed
         raise
     finally:

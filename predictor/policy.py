@@ -1,0 +1,742 @@
+"""Placement policies: where an idle session's chain lives, and which blocks go first.
+
+A policy here is two things at once:
+
+* an ``EvictionPolicy`` (``kvstore.policy``) plugged into the store: told of
+  every access and removal per tier, it answers ``victims(tier)`` when
+  capacity pressure must evict;
+* a session policy with three hooks the daemon or the replay calls:
+  ``on_idle`` when a session's last request finishes, ``on_resume`` when one
+  starts, and ``tick`` on a timer. Each takes ``now``; nothing reads a clock.
+
+``PlacementPolicy`` (the predictor's) works from a ``ReturnForecast``, the
+probability that the session returns within each horizon, and re-reads it as
+idle time ``e`` passes: P(return within ``H`` more seconds | not back after
+``e``) = (F(e + H) - F(e)) / (1 - F(e)). Each tier has a horizon (HBM 1 min,
+DRAM 10 min, SSD 1 h, Redis 4 h) and a keep threshold::
+
+    target(e) = the fastest tier t with P(back within H_t | e) >= keep_t,
+                or dropped when none qualifies
+
+so a chain stays in HBM while a return within a minute is likely, in DRAM
+while one within ten minutes is, and so on. Current pressure gates the slower
+tiers: HBM is always contended (the running batch needs it), so an idle chain
+leaves it as soon as its target says so, but a DRAM, SSD or Redis tier that is
+below ``watermark`` full keeps what it holds, as evicting early would buy
+nothing. When the target rises above where the chain lies (the oracle's
+step-shaped forecasts do that; a learnt one rarely does), the chain is
+promoted ahead of the return: a prefetch. ``on_resume`` prefetches too: a
+request-began event means the lookup is next.
+
+Eviction by predicted reuse. Each block belongs to the last session that
+touched it. ``victims(tier)`` ranks sessions by the probability that they
+return within the tier's horizon (ties: the probability they return at all,
+then least recently touched first), and yields each session's blocks tail
+first, so a cached prefix stays a prefix. Blocks of running sessions rank
+last; blocks no session ever touched rank first, least recent first.
+
+Ownership, not membership, decides what a session's idle placement moves: a
+system prompt shared by every session belongs to whoever used it last, so one
+session going idle does not demote a block that the others keep using.
+
+``TTLPolicy`` (an idle timeout demotes out of HBM, eviction LRU) and
+``LRUBaseline`` (LRU, hooks that do nothing) are the baselines; the oracle is
+``PlacementPolicy`` fed ``perfect_forecast``: the true next arrival read from
+the trace, a perfect classifier at the model's horizons.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kvstore.errors import UnknownNamespace
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.policy import EvictionPolicy, LRUPolicy
+from kvstore.store import TieredStore
+from kvstore.tiers.base import TierKind
+
+INF = math.inf
+
+
+class Forecast(Protocol):
+    """What a policy reads of a forecast (``online.ReturnForecast`` is one)."""
+
+    @property
+    def session(self) -> str: ...
+
+    @property
+    def at(self) -> float: ...
+
+    @property
+    def horizons(self) -> tuple[float, ...]:
+        """Where the forecast is made; ``within`` interpolates between them."""
+        ...
+
+    def within(self, seconds: float) -> float:
+        """P(the session returns within ``seconds`` of going idle at ``at``)."""
+        ...
+
+
+class GapShape:
+    """Where, between two horizons, returns fall: the histogram of every idle gap that
+    ended in a return, on a log grid, learnt online.
+
+    A forecast is calibrated at its horizons only; between them
+    ``ReturnForecast.within`` is linear in log time, which puts half of the
+    first minute's returns in its first 7 s. Ranking idle sessions by the chance
+    that they return *soon* depends on that shape, so the policy reads a
+    forecast between horizons with the shape of the gaps it has seen instead,
+    once an interval holds ``min_samples`` of them.
+    """
+
+    EDGES = (0.0, *np.geomspace(1.0, 7 * 86400.0, 80))
+
+    def __init__(self, min_samples: int = 50) -> None:
+        self.min_samples = min_samples
+        self._log_edges = np.log1p(np.asarray(self.EDGES))
+        self._cumulative = np.zeros(len(self.EDGES))  # gaps <= each edge
+
+    def add(self, gap: float) -> None:
+        index = bisect.bisect_left(self.EDGES, gap)
+        self._cumulative[index:] += 1
+
+    def count(self, seconds: float) -> float:
+        """Gaps seen up to ``seconds``, interpolated within a bin in log time."""
+        return float(np.interp(math.log1p(max(0.0, seconds)), self._log_edges, self._cumulative))
+
+    def share(self, low: float, high: float, seconds: float) -> float | None:
+        """Of the gaps in ``(low, high]``, the share up to ``seconds`` (None: too few)."""
+        below = self.count(low)
+        total = self.count(high) - below
+        if total < self.min_samples:
+            return None
+        return min(1.0, max(0.0, (self.count(seconds) - below) / total))
+
+
+class IdleSession(Protocol):
+    """What a policy reads of a session (``sessions.SessionState`` is one)."""
+
+    @property
+    def session(self) -> str: ...
+
+    @property
+    def namespace(self) -> bytes | None: ...
+
+    @property
+    def chain(self) -> tuple[ChunkKey, ...]: ...
+
+    @property
+    def tool_running(self) -> bool: ...
+
+
+class SessionPolicy(EvictionPolicy, Protocol):
+    """An eviction policy that also hears about sessions (every policy in this module)."""
+
+    prefetches: PrefetchStats
+
+    def on_idle(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
+    ) -> TierKind | None:
+        """``state`` went idle; place its chain. Returns the tier chosen (None: dropped)."""
+        ...
+
+    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
+        """A request of ``state`` began: its lookup comes next."""
+        ...
+
+    def tick(self, store: TieredStore, now: float) -> None:
+        """Timer: re-place idle sessions as their idle time grows."""
+        ...
+
+
+@dataclass(frozen=True)
+class PerfectForecast:
+    """The oracle's forecast: probabilities 1 at the horizons the true gap falls within, else 0,
+    read between horizons exactly as ``ReturnForecast.within`` reads a learnt one."""
+
+    session: str
+    at: float
+    horizons: tuple[float, ...]
+    probabilities: tuple[float, ...]
+
+    def within(self, seconds: float) -> float:
+        xs = [0.0, *(math.log1p(h) for h in self.horizons)]
+        ys = [0.0, *self.probabilities]
+        x = math.log1p(max(0.0, seconds))
+        if x >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, x)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def perfect_forecast(
+    session: str, at: float, gap: float, horizons: Sequence[float]
+) -> PerfectForecast:
+    """What a perfect classifier says of a session that will be back after ``gap`` seconds
+    (``math.inf``: never)."""
+    horizons = tuple(float(h) for h in horizons)
+    return PerfectForecast(session, at, horizons, tuple(float(gap <= h) for h in horizons))
+
+
+@dataclass
+class PrefetchStats:
+    """Chunks promoted ahead of a lookup, and what became of them."""
+
+    issued: int = 0
+    used: int = 0  # read from the tier they were promoted to before leaving it
+    wasted: int = 0  # left that tier unread
+
+    @property
+    def pending(self) -> int:
+        return self.issued - self.used - self.wasted
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "issued": self.issued,
+            "used": self.used,
+            "wasted": self.wasted,
+            "pending": self.pending,
+        }
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Thresholds of ``PlacementPolicy``; tuples are indexed by ``TierKind`` (HBM first)."""
+
+    horizons_s: tuple[float, float, float, float] = (60.0, 600.0, 3600.0, 4 * 3600.0)
+    keep: tuple[float, float, float, float] = (0.5, 0.5, 0.5, 0.5)
+    """Keep a chain in a tier while P(back within its horizon) is at least this."""
+    watermark: float = 0.9
+    """Below this fill, a DRAM, SSD or Redis tier keeps what it holds."""
+    check_min_s: float = 10.0
+    check_fraction: float = 0.25
+    check_max_s: float = 300.0
+    """An idle session is re-placed after ``clamp(fraction * idle time, min, max)`` seconds."""
+
+    def horizon(self, kind: TierKind) -> float:
+        return self.horizons_s[kind]
+
+
+class LRUBaseline(LRUPolicy):
+    """The store's LRU with session hooks that do nothing: the ``lru`` baseline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefetches = PrefetchStats()
+
+    def on_idle(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
+    ) -> TierKind | None:
+        return None
+
+    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
+        return None
+
+    def tick(self, store: TieredStore, now: float) -> None:
+        return None
+
+
+class TTLPolicy(LRUBaseline):
+    """A fixed idle timeout: a session idle ``seconds`` has its blocks demoted out of HBM.
+
+    Only blocks nobody touched for ``seconds`` move, so a prefix that other
+    sessions keep using stays hot. Eviction under pressure is LRU.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self._now = 0.0
+        self._touched: dict[ChunkKey, float] = {}  # HBM key -> last access (hook time)
+        self._idle: dict[str, tuple[float, IdleSession]] = {}  # session -> (idle since, state)
+
+    def on_access(
+        self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
+    ) -> None:
+        super().on_access(tier, keys, session)
+        if tier is TierKind.HBM:
+            for key in keys:
+                self._touched[key] = self._now
+
+    def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
+        super().on_remove(tier, key)
+        if tier is TierKind.HBM:
+            self._touched.pop(key, None)
+
+    def on_idle(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
+    ) -> TierKind | None:
+        self._now = now
+        self._idle.pop(state.session, None)  # re-inserted last: the dict stays in idle order
+        self._idle[state.session] = (now, state)
+        return TierKind.HBM
+
+    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
+        self._now = now
+        self._idle.pop(state.session, None)
+
+    def tick(self, store: TieredStore, now: float) -> None:
+        self._now = now
+        expired = []
+        for session, (since, _) in self._idle.items():  # oldest idle first
+            if now - since < self.seconds:
+                break
+            expired.append(session)
+        for session in expired:
+            _, state = self._idle.pop(session)
+            namespace = _namespace(store, state)
+            if namespace is None:
+                continue
+            stale = [
+                key
+                for key in state.chain
+                if key in self._touched and now - self._touched[key] >= self.seconds
+            ]
+            if stale:
+                store.demote(namespace, stale, to=TierKind.DRAM)
+
+
+@dataclass
+class _Session:
+    """What ``PlacementPolicy`` knows of one session. Owned by the policy."""
+
+    name: str
+    active: bool = False
+    idle_since: float = 0.0
+    forecast: Forecast | None = None
+    state: IdleSession | None = None
+    target: TierKind | None = None  # the tier its forecast called for at the last look
+    levels: tuple[tuple[float, float], ...] = ()  # (horizon, P(back within it)) at idle
+    epoch: int = 0  # bumped at every idle and resume, so stale checks are skipped
+    touched: int = 0  # recency, from ``_Recency``
+    score: dict[TierKind, tuple[float, float]] = field(default_factory=dict)
+
+
+# One session's place in a tier's eviction order: (p within horizon, p at all, recency).
+_Rank = tuple[float, float, int]
+_RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
+_ACTIVE: tuple[float, float] = (INF, INF)
+_UNKNOWN: tuple[float, float] = (0.0, 0.0)
+
+
+class _TierRanking:
+    """The sessions holding blocks in one tier, in eviction order, and their blocks.
+
+    ``entries`` is kept sorted; a session whose rank changes gets a new entry
+    and its old one goes stale (``live`` names the current one), to be skipped
+    and dropped at the next compaction. Blocks of each session are kept in
+    chain order, head first, so the tail is evicted first.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[_Rank, str]] = []
+        self.live: dict[str, tuple[_Rank, str]] = {}
+        self.blocks: dict[str, dict[ChunkKey, None]] = {}
+        self.owner: dict[ChunkKey, str] = {}
+
+    def add(self, key: ChunkKey, session: str) -> bool:
+        """File ``key`` under ``session``; returns whether the session is new to the tier."""
+        current = self.owner.get(key)
+        if current == session:
+            return False
+        if current is not None:
+            self._unfile(key, current)
+        self.owner[key] = session
+        blocks = self.blocks.get(session)
+        new = blocks is None
+        if blocks is None:
+            blocks = self.blocks[session] = {}
+        blocks[key] = None
+        return new
+
+    def remove(self, key: ChunkKey) -> None:
+        session = self.owner.pop(key, None)
+        if session is not None:
+            self._unfile(key, session)
+
+    def _unfile(self, key: ChunkKey, session: str) -> None:
+        blocks = self.blocks[session]
+        del blocks[key]
+        if not blocks:
+            del self.blocks[session]
+            self.live.pop(session, None)
+
+    def rank(self, session: str, rank: _Rank) -> None:
+        old = self.live.get(session)
+        if old is not None and old[0] == rank:
+            return
+        entry = (rank, session)
+        self.live[session] = entry
+        bisect.insort(self.entries, entry)
+        if len(self.entries) > 2 * len(self.live) + 64:
+            self.entries = sorted(self.live.values())
+
+    def drop_stale(self) -> None:
+        """Drop stale entries from the front, so the first entry is a live one."""
+        entries = self.entries
+        while entries and self.live.get(entries[0][1]) is not entries[0]:
+            del entries[0]
+
+    def victims(self) -> Iterator[ChunkKey]:
+        self.drop_stale()
+        position = 0
+        while position < len(self.entries):
+            entry = self.entries[position]
+            position += 1
+            session = entry[1]
+            if self.live.get(session) is not entry:
+                continue
+            yield from _tail_first(self.blocks, session)
+
+
+def _tail_first(blocks: dict[str, dict[ChunkKey, None]], session: str) -> Iterator[ChunkKey]:
+    """``blocks[session]`` from the tail, in small snapshots (the store may remove keys
+    between two ``next`` calls)."""
+    seen: set[ChunkKey] = set()
+    while True:
+        held = blocks.get(session)
+        if not held:
+            return
+        batch = [key for key in itertools.islice(reversed(held), len(seen) + 16) if key not in seen]
+        if not batch:
+            return
+        for key in batch:
+            seen.add(key)
+            if key in held:
+                yield key
+
+
+class PlacementPolicy:
+    """Idle placement and eviction by forecast return; see the module docstring."""
+
+    def __init__(self, config: PlacementConfig | None = None) -> None:
+        self.config = config if config is not None else PlacementConfig()
+        self.prefetches = PrefetchStats()
+        self.gaps = GapShape()
+        self.demoted = 0  # chunks moved down by idle placement (not by pressure)
+        self.dropped = 0  # chunks deleted by idle placement
+        self._now = 0.0
+        self._recency = itertools.count(1)
+        self._sessions: dict[str, _Session] = {}
+        self._tiers: dict[TierKind, _TierRanking] = {kind: _TierRanking() for kind in TierKind}
+        self._anonymous = LRUPolicy()  # blocks no session touched
+        self._owner: dict[ChunkKey, str] = {}  # last session to touch each held key
+        self._prefetched: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
+        self._checks: list[tuple[float, int, int, str]] = []  # (when, seq, epoch, session)
+        self._sequence = itertools.count()
+        self._entered: dict[TierKind, dict[ChunkKey, float]] = {kind: {} for kind in TierKind}
+        self._residence: dict[TierKind, float] = {}  # mean stay before eviction, per tier
+        self._moving: set[ChunkKey] = set()  # keys idle placement is moving right now
+
+    # -- EvictionPolicy ----------------------------------------------------
+
+    def on_access(
+        self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
+    ) -> None:
+        ranking = self._tiers[tier]
+        prefetched = self._prefetched[tier]
+        entered = self._entered[tier]
+        anonymous: list[ChunkKey] = []
+        touched: dict[str, None] = {}
+        for key in keys:
+            entered.setdefault(key, self._now)
+            if prefetched and key in prefetched:
+                prefetched.discard(key)
+                self.prefetches.used += 1
+            if session is not None:
+                self._owner[key] = session
+            owner = self._owner.get(key)
+            if owner is None:
+                anonymous.append(key)
+                continue
+            ranking.add(key, owner)
+            touched[owner] = None
+        if anonymous:
+            self._anonymous.on_access(tier, anonymous)
+        for owner in touched:
+            state = self._session(owner)
+            state.touched = next(self._recency)
+            ranking.rank(owner, self._rank(state, tier))
+
+    def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
+        self._tiers[tier].remove(key)
+        since = self._entered[tier].pop(key, None)
+        if since is not None and key not in self._moving:
+            stay = self._now - since
+            mean = self._residence.get(tier)
+            self._residence[tier] = (
+                stay if mean is None else mean + _RESIDENCE_WEIGHT * (stay - mean)
+            )
+        self._anonymous.on_remove(tier, key)
+        prefetched = self._prefetched[tier]
+        if prefetched and key in prefetched:
+            prefetched.discard(key)
+            self.prefetches.wasted += 1
+        if key in self._owner and not any(key in r.owner for r in self._tiers.values()):
+            del self._owner[key]
+
+    def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
+        yield from self._anonymous.victims(tier)
+        yield from self._tiers[tier].victims()
+
+    # -- session hooks -----------------------------------------------------
+
+    def on_idle(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
+    ) -> TierKind | None:
+        self._now = now
+        session = self._session(state.session)
+        session.active = False
+        session.idle_since = now
+        session.forecast = forecast
+        horizons = getattr(forecast, "horizons", ()) if forecast is not None else ()
+        session.levels = tuple((h, forecast.within(h)) for h in horizons) if forecast else ()
+        session.state = state
+        session.target = None
+        session.epoch += 1
+        return self._place(store, session, now)
+
+    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
+        """Prefetch the session's chain into the fastest tier: its lookup is next."""
+        self._now = now
+        session = self._session(state.session)
+        if not session.active and session.forecast is not None:
+            self.gaps.add(now - session.idle_since)
+        session.active = True
+        session.state = state
+        session.epoch += 1
+        self._rerank(session)
+        self._prefetch(store, session, store.tier_kinds[0])
+
+    def tick(self, store: TieredStore, now: float) -> None:
+        """Re-place the idle sessions whose next look is due."""
+        self._now = now
+        while self._checks and self._checks[0][0] <= now:
+            _, _, epoch, name = heapq.heappop(self._checks)
+            session = self._sessions.get(name)
+            if session is not None and session.epoch == epoch and not session.active:
+                self._place(store, session, now)
+
+    # -- placement ---------------------------------------------------------
+
+    def _place(self, store: TieredStore, session: _Session, now: float) -> TierKind | None:
+        """Move an idle session's chain where its forecast says for its idle time so far,
+        then schedule the next look (sooner while the idle time is short)."""
+        order = store.tier_kinds
+        state = session.state
+        assert state is not None
+        chances = {kind: self._returning(session, kind, now) for kind in order}
+        self._rerank(session, chances)
+        target: TierKind | None
+        if state.tool_running:  # a tool result is on its way back
+            target = order[0]
+        else:
+            target = next(
+                (
+                    kind
+                    for kind in order
+                    if self._chance(session, self.config.horizon(kind), now)
+                    >= self.config.keep[kind]
+                ),
+                None,
+            )
+        # Pressure: a tier faster than the target, HBM aside (always contended), still
+        # keeps the chain while it has room or the chain beats its next victim.
+        placed = target
+        for kind in order[1:]:
+            if placed is not None and kind >= placed:
+                break
+            if self._fits(store, kind, session.name, chances):
+                placed = kind
+                break
+        level = self._level(session.name)
+        namespace = _namespace(store, state)
+        rising = target is not None and (session.target is None or target < session.target)
+        session.target = target
+        if namespace is not None and level is not None:
+            if (
+                rising
+                and target is not None
+                and target < level
+                and self._fits(store, target, session.name, chances)
+            ):
+                self._prefetch(store, session, target)
+                placed = target
+            elif placed is None or placed > level:
+                self._demote(store, namespace, session.name, placed)
+        if self._level(session.name) is None:
+            del self._sessions[session.name]  # nothing left to place
+        else:
+            elapsed = now - session.idle_since
+            wait = min(
+                max(self.config.check_fraction * elapsed, self.config.check_min_s),
+                self.config.check_max_s,
+            )
+            check = (now + wait, next(self._sequence), session.epoch, session.name)
+            heapq.heappush(self._checks, check)
+        return placed
+
+    def _returning(self, session: _Session, kind: TierKind, now: float) -> tuple[float, float]:
+        """The session's rank in tier ``kind``: P(back while a block it keeps there would
+        stay, given idle so far), then P(back within the longest horizon)."""
+        if session.active:
+            return _ACTIVE
+        if session.forecast is None:
+            return _UNKNOWN
+        soon = self._chance(session, self.stay(kind), now)
+        return (soon, self._chance(session, max(self.config.horizons_s), now))
+
+    def _chance(self, session: _Session, seconds: float, now: float) -> float:
+        """P(back within ``seconds`` from ``now`` | not back yet), from its forecast."""
+        if session.forecast is None:
+            return 0.0
+        elapsed = max(0.0, now - session.idle_since)
+        before = self._within(session, elapsed)
+        rest = 1.0 - before
+        if rest <= 1e-9:
+            return 0.0
+        return max(0.0, (self._within(session, elapsed + seconds) - before) / rest)
+
+    def _within(self, session: _Session, seconds: float) -> float:
+        """The session's forecast at its horizons, shaped between them by ``GapShape``."""
+        forecast = session.forecast
+        assert forecast is not None
+        low, p_low = 0.0, 0.0
+        for high, p_high in session.levels:
+            if seconds <= high:
+                share = self.gaps.share(low, high, seconds)
+                if share is None:
+                    return forecast.within(seconds)
+                return p_low + (p_high - p_low) * share
+            low, p_low = high, p_high
+        return p_low if session.levels else forecast.within(seconds)
+
+    def stay(self, kind: TierKind) -> float:
+        """How long a block kept in ``kind`` now is likely to stay: the tier's mean
+        residence before eviction (current pressure), at most its horizon."""
+        horizon = self.config.horizon(kind)
+        residence = self._residence.get(kind)
+        if residence is None:
+            return horizon
+        return min(horizon, max(residence, self.config.check_min_s))
+
+    def _demote(
+        self, store: TieredStore, namespace: Namespace, name: str, to: TierKind | None
+    ) -> None:
+        """Move the blocks session ``name`` owns out of every tier faster than ``to``
+        (``None``: drop them)."""
+        owned: dict[ChunkKey, None] = {}
+        for kind, ranking in self._tiers.items():
+            if to is None or kind < to:
+                owned.update(dict.fromkeys(ranking.blocks.get(name, ())))
+        if not owned:
+            return
+        self._moving = set(owned)
+        try:
+            if to is None:
+                self.dropped += store.delete(namespace, list(owned))
+            else:
+                self.demoted += store.demote(namespace, list(owned), to=to)
+        finally:
+            self._moving = set()
+
+    def _prefetch(self, store: TieredStore, session: _Session, to: TierKind) -> None:
+        """Promote the chunks of the session's chain held slower than ``to`` up to ``to``."""
+        state = session.state
+        if state is None:
+            return
+        namespace = _namespace(store, state)
+        if namespace is None:
+            return
+        slower = []
+        for key in state.chain:  # the cached head of the chain: a lookup reads no further
+            fastest = self._fastest(key)
+            if fastest is None:
+                break
+            if fastest > to:
+                slower.append(key)
+        if not slower:
+            return
+        store.promote(namespace, slower, to=to)
+        landed = self._tiers[to].owner
+        for key in slower:
+            if key in landed:
+                self._prefetched[to].add(key)
+                self.prefetches.issued += 1
+
+    def _fits(
+        self,
+        store: TieredStore,
+        kind: TierKind,
+        name: str,
+        chances: dict[TierKind, tuple[float, float]],
+    ) -> bool:
+        """Whether tier ``kind`` has room, or session ``name`` with these chances beats the
+        session next in line for eviction there."""
+        if _fill(store, kind) < self.config.watermark:
+            return True
+        return chances[kind] > self._marginal(kind, name)
+
+    def _marginal(self, kind: TierKind, name: str) -> tuple[float, float]:
+        """The chances of the session other than ``name`` next in line for eviction from
+        ``kind`` (as of its last look)."""
+        if next(iter(self._anonymous.victims(kind)), None) is not None:
+            return (0.0, 0.0)
+        ranking = self._tiers[kind]
+        ranking.drop_stale()
+        for entry in ranking.entries:
+            if entry[1] != name and ranking.live.get(entry[1]) is entry:
+                return (entry[0][0], entry[0][1])
+        return (0.0, 0.0)
+
+    def _fastest(self, key: ChunkKey) -> TierKind | None:
+        return next((kind for kind, r in self._tiers.items() if key in r.owner), None)
+
+    def _level(self, name: str) -> TierKind | None:
+        """The fastest tier holding a block session ``name`` owns."""
+        return next((kind for kind, r in self._tiers.items() if name in r.blocks), None)
+
+    # -- ranking -----------------------------------------------------------
+
+    def _session(self, name: str) -> _Session:
+        session = self._sessions.get(name)
+        if session is None:
+            session = self._sessions[name] = _Session(name)
+        return session
+
+    def _rank(self, session: _Session, kind: TierKind) -> _Rank:
+        chance = session.score.get(kind)
+        if chance is None or session.active:
+            chance = self._returning(session, kind, self._now)
+        return (chance[0], chance[1], session.touched)
+
+    def _rerank(
+        self, session: _Session, chances: dict[TierKind, tuple[float, float]] | None = None
+    ) -> None:
+        session.score = dict(chances) if chances is not None else {}
+        for kind, ranking in self._tiers.items():
+            if session.name in ranking.blocks:
+                ranking.rank(session.name, self._rank(session, kind))
+
+
+def _fill(store: TieredStore, kind: TierKind) -> float:
+    tier = store.tier(kind)
+    capacity = tier.capacity_bytes()
+    return tier.used_bytes() / capacity if capacity else 1.0
+
+
+def _namespace(store: TieredStore, state: IdleSession) -> Namespace | None:
+    if state.namespace is None:
+        return None
+    try:
+        return store.namespace(state.namespace)
+    except UnknownNamespace:
+        return None

@@ -1,0 +1,317 @@
+"""A replay's results as JSON, as a table, and as plots.
+
+The JSON (``kvstore replay --json``)::
+
+    {"trace": NAME, "requests": N, "prompt_tokens": N, "config": {...},
+     "policies": {NAME: {"hit_rate", "hit_rate_by_tier": {"hbm": ..}, "recomputed_tokens",
+                         "gpu_seconds", "ttft_mean", "ttft_p50", "ttft_p99",
+                         "hbm_gb_hours_idle", "prefetches": {"issued", "used", "wasted",
+                         "pending"}, "auc": {"60": ..}, "brier": {..}, ...}},
+     "summary": {"best_baseline", "predictor_gap_closed", ...}}
+
+``auc`` and ``brier`` are the predictor's prequential scores per horizon
+(empty for the other policies); ``baselines`` holds the same for the
+base-rate and last-gap predictors scored on the same labels. The gap closed is
+``(best baseline - predictor) / (best baseline - oracle)`` in GPU-seconds,
+the best baseline being the cheapest of ``lru`` and the ``ttl:*`` policies.
+Numbers that are not defined (an AUC before both labels were seen) are null.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.predictor.replay.simulator import PolicyResult, ReplayConfig
+from kvstore.predictor.replay.traces import Trace
+from kvstore.tiers.base import TierKind
+
+
+def _clean(value: Any) -> Any:
+    """NaN and infinities as ``None`` (JSON has neither), recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _clean(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(item) for item in value]
+    return value
+
+
+def policy_summary(result: PolicyResult) -> dict[str, Any]:
+    """One policy's numbers, as they appear under ``"policies"``."""
+    ttft = np.asarray(result.ttft_s, dtype=np.float64)
+    prompt = result.prompt_tokens
+    summary: dict[str, Any] = {
+        "hit_rate": result.hit_rate,
+        "hit_rate_by_tier": {
+            kind.label: result.hit_tokens_by_tier.get(kind, 0) / prompt if prompt else math.nan
+            for kind in TierKind
+            if kind in result.hit_tokens_by_tier or kind is not TierKind.REDIS
+        },
+        "hit_tokens": result.hit_tokens,
+        "recomputed_tokens": result.recomputed_tokens,
+        "gpu_seconds": result.gpu_seconds,
+        "load_seconds": result.load_seconds,
+        "ttft_mean": float(ttft.mean()) if ttft.size else math.nan,
+        "ttft_p50": float(np.percentile(ttft, 50)) if ttft.size else math.nan,
+        "ttft_p99": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
+        "hbm_gb_hours_idle": result.hbm_gb_hours_idle,
+        "prefetches": result.prefetches.to_dict(),
+        "prefetches_used": result.prefetches.used,
+        "prefetches_wasted": result.prefetches.wasted,
+        "placement": {"demoted": result.demoted_at_idle, "dropped": result.dropped_at_idle},
+        "tiers": result.tier_counters,
+        "auc": {},
+        "brier": {},
+    }
+    if result.quality is not None:
+        quality = result.quality
+        summary["auc"] = quality.get("auc", {})
+        summary["brier"] = quality.get("brier", {})
+        summary["log_loss"] = quality.get("log_loss", {})
+        summary["labels"] = quality.get("n", {})
+        summary["baselines"] = {
+            name: {
+                "auc": quality.get(f"{name}_auc", {}),
+                "brier": quality.get(f"{name}_brier", {}),
+            }
+            for name in ("base_rate", "last_gap")
+        }
+    return summary
+
+
+def gap_closed(baseline: float, predictor: float, oracle: float) -> float:
+    """The share of the baseline-to-oracle gap the predictor closes (NaN without a gap)."""
+    gap = baseline - oracle
+    return (baseline - predictor) / gap if gap > 0 else math.nan
+
+
+def summarize(
+    trace: Trace,
+    results: Sequence[PolicyResult],
+    config: ReplayConfig,
+    horizons: Sequence[float],
+) -> dict[str, Any]:
+    """The whole replay: trace, configuration, every policy, and the comparison."""
+    first = results[0] if results else None
+    policies = {result.name: policy_summary(result) for result in results}
+    sizing = config.sizing
+    chunk_tokens = trace.block_tokens
+    summary: dict[str, Any] = {}
+    baselines = [r for r in results if r.baseline]
+    by_name = {r.name: r for r in results}
+    if baselines:
+        best = min(baselines, key=lambda r: r.gpu_seconds)
+        summary["best_baseline"] = best.name
+        summary["best_baseline_gpu_seconds"] = best.gpu_seconds
+        predictor, oracle = by_name.get("predictor"), by_name.get("oracle")
+        if predictor is not None:
+            summary["predictor_beats_every_baseline"] = all(
+                predictor.gpu_seconds < r.gpu_seconds for r in baselines
+            )
+            summary["predictor_saves_vs_best_baseline"] = (
+                1.0 - predictor.gpu_seconds / best.gpu_seconds
+            )
+        if predictor is not None and oracle is not None:
+            summary["predictor_gap_closed"] = gap_closed(
+                best.gpu_seconds, predictor.gpu_seconds, oracle.gpu_seconds
+            )
+    report = {
+        "trace": trace.name,
+        "requests": first.requests if first else 0,
+        "prompt_tokens": first.prompt_tokens if first else 0,
+        "config": {
+            "hbm_gb": sizing.hbm_gb,
+            "dram_gb": sizing.dram_gb,
+            "ssd_gb": sizing.ssd_gb,
+            "redis_gb": sizing.redis_gb,
+            "slots": {
+                kind.label: sizing.slots(kind, chunk_tokens, config.kv_bytes_per_token)
+                for kind in TierKind
+            },
+            "chunk_tokens": chunk_tokens,
+            "kv_bytes_per_token": config.kv_bytes_per_token,
+            "recompute_tokens_per_s": config.costs.recompute_tokens_per_s,
+            "reload_bytes_per_s": {
+                kind.label: config.costs.bytes_per_s(kind) for kind in TierKind
+            },
+            "decode_tokens_per_s": config.decode_tokens_per_s,
+            "tick_s": config.tick_s,
+            "horizons": list(horizons),
+            "max_requests": config.max_requests,
+        },
+        "policies": policies,
+        "summary": summary,
+    }
+    return _clean(report)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a table for a terminal."""
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    def num(value: float | None, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:,.{digits}f}"
+
+    horizons = [f"{h:g}" for h in report["config"]["horizons"]]
+    columns = [
+        "policy",
+        "hit",
+        "hbm",
+        "dram",
+        "ssd",
+        "redis",
+        "GPU-s",
+        "TTFT p50",
+        "TTFT p99",
+        "HBM GB-h idle",
+        "prefetch used/wasted",
+        *[f"AUC {h}s" for h in horizons],
+    ]
+    rows = [columns]
+    for name, p in report["policies"].items():
+        tiers = p["hit_rate_by_tier"]
+        rows.append(
+            [
+                name,
+                pct(p["hit_rate"]),
+                pct(tiers.get("hbm")),
+                pct(tiers.get("dram")),
+                pct(tiers.get("ssd")),
+                pct(tiers.get("redis")),
+                num(p["gpu_seconds"]),
+                num(p["ttft_p50"], 3),
+                num(p["ttft_p99"], 3),
+                num(p["hbm_gb_hours_idle"], 2),
+                f"{p['prefetches_used']}/{p['prefetches_wasted']}",
+                *[num(p["auc"].get(h), 3) if p["auc"] else "-" for h in horizons],
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+        for row in rows
+    ]
+    config = report["config"]
+    head = (
+        f"{report['trace']}: {report['requests']} requests, {report['prompt_tokens']:,} prompt "
+        f"tokens; HBM {config['hbm_gb']} GB ({config['slots']['hbm']} chunks), DRAM "
+        f"{config['dram_gb']} GB ({config['slots']['dram']}), SSD {config['ssd_gb']} GB "
+        f"({config['slots']['ssd']})"
+        + (f", Redis {config['redis_gb']} GB ({config['slots']['redis']})" if config["redis_gb"] else "")
+    )
+    out = [head, "", *lines]
+    predictor = report["policies"].get("predictor")
+    if predictor and predictor.get("baselines"):
+        for name, scores in predictor["baselines"].items():
+            auc = ", ".join(f"{h}s {num(scores['auc'].get(h), 3)}" for h in horizons)
+            out.append(f"  {name} baseline AUC: {auc}")
+    summary = report["summary"]
+    if "best_baseline" in summary:
+        out.append("")
+        out.append(
+            f"best baseline: {summary['best_baseline']} "
+            f"({num(summary['best_baseline_gpu_seconds'])} GPU-s)"
+        )
+        if "predictor_saves_vs_best_baseline" in summary:
+            out.append(
+                f"predictor: {pct(summary['predictor_saves_vs_best_baseline'])} fewer GPU-s than "
+                f"the best baseline; beats every baseline: "
+                f"{summary['predictor_beats_every_baseline']}"
+            )
+        if "predictor_gap_closed" in summary:
+            out.append(
+                f"predictor closes {pct(summary['predictor_gap_closed'])} of the gap "
+                "from the best baseline to the oracle"
+            )
+    return "\n".join(out)
+
+
+def plot(
+    report: dict[str, Any],
+    results: Sequence[PolicyResult],
+    gaps: Sequence[float],
+    sweep: dict[float, dict[str, float]],
+    directory: Path,
+) -> list[Path]:
+    """PNGs: hit rate and GPU-seconds per policy, hit rate against HBM capacity, the
+    trace's idle-gap CDF, the predictor's calibration. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    names = list(report["policies"])
+
+    def save(figure: Any, name: str) -> None:
+        path = directory / name
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(names, [100 * (report["policies"][n]["hit_rate"] or 0) for n in names])
+    left.set_ylabel("token hit rate (%)")
+    right.bar(names, [report["policies"][n]["gpu_seconds"] or 0 for n in names])
+    right.set_ylabel("prefill + load GPU-seconds")
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=30)
+    figure.suptitle(report["trace"])
+    save(figure, "policies.png")
+
+    if sweep:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        capacities = sorted(sweep)
+        for name in names:
+            axis.plot(
+                capacities,
+                [100 * sweep[c].get(name, math.nan) for c in capacities],
+                marker="o",
+                label=name,
+            )
+        axis.set_xlabel("HBM capacity (GB)")
+        axis.set_ylabel("token hit rate (%)")
+        axis.legend()
+        save(figure, "hit_rate_vs_hbm.png")
+
+    if gaps:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        ordered = np.sort(np.asarray(gaps))
+        axis.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered))
+        axis.set_xscale("log")
+        axis.set_xlabel("idle gap before a return (s)")
+        axis.set_ylabel("CDF")
+        for horizon in report["config"]["horizons"]:
+            axis.axvline(horizon, color="grey", linestyle=":")
+        save(figure, "gap_cdf.png")
+
+    predictor = next((r for r in results if r.calibration), None)
+    if predictor is not None:
+        figure, axis = plt.subplots(figsize=(5, 5))
+        samples = np.asarray(predictor.calibration)
+        for horizon in sorted(set(samples[:, 0])):
+            rows = samples[samples[:, 0] == horizon]
+            bins = np.clip((rows[:, 1] * 10).astype(int), 0, 9)
+            xs, ys = [], []
+            for b in range(10):
+                inside = rows[bins == b]
+                if len(inside):
+                    xs.append(inside[:, 1].mean())
+                    ys.append(inside[:, 2].mean())
+            axis.plot(xs, ys, marker="o", label=f"{horizon:g} s")
+        axis.plot([0, 1], [0, 1], color="grey", linestyle=":")
+        axis.set_xlabel("predicted P(back within horizon)")
+        axis.set_ylabel("observed frequency")
+        axis.legend()
+        save(figure, "calibration.png")
+    return written

@@ -1,0 +1,197 @@
+"""Placement policies on hand-built scenarios over a real store: which tier holds what, when."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support import kv
+
+from kvstore import TieredStore, TierKind
+from kvstore.events import RequestFinished, RequestStarted, Trigger
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.predictor.model import DEFAULT_HORIZONS
+from kvstore.predictor.online import ReturnForecast
+from kvstore.predictor.policy import (
+    LRUBaseline,
+    PlacementConfig,
+    PlacementPolicy,
+    SessionPolicy,
+    TTLPolicy,
+    perfect_forecast,
+)
+from kvstore.predictor.sessions import SessionState, SessionTracker
+
+HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
+
+
+@dataclass(frozen=True)
+class StepForecast:
+    """Back exactly ``after`` seconds after going idle: a forecast that jumps from 0 to 1."""
+
+    session: str
+    at: float
+    after: float
+
+    def within(self, seconds: float) -> float:
+        return float(seconds >= self.after)
+
+
+def forecast(session: str, at: float, *probabilities: float) -> ReturnForecast:
+    return ReturnForecast(session, at, DEFAULT_HORIZONS, tuple(probabilities))
+
+
+class Sessions:
+    """Drives one store and one policy the way the daemon and the replay do."""
+
+    def __init__(self, store: TieredStore, policy: SessionPolicy) -> None:
+        self.store = store
+        self.policy = policy
+        self.tracker = SessionTracker()
+        self.ns: Namespace = kv.namespace()
+
+    def request(self, session: str, tokens_start: int, n_chunks: int, now: float) -> SessionState:
+        """One request of ``session`` whose prompt is ``n_chunks`` chunks from ``tokens_start``."""
+        tokens = kv.tokens(n_chunks, start=tokens_start)
+        keys = self.store.keys_for(self.ns, tokens)
+        started = RequestStarted(session, Trigger.USER, len(tokens), 0, now)
+        state, _ = self.tracker.started(started, keys, self.ns.digest)
+        self.policy.on_resume(self.store, state, now)
+        self.store.put(self.ns, tokens, kv.chunks(n_chunks), session=session)
+        finished = RequestFinished(session, 1, 8, len(tokens), False, 0, 0, now + 1)
+        return self.tracker.finished(finished, keys, self.ns.digest)
+
+    def keys(self, tokens_start: int, n_chunks: int) -> list[ChunkKey]:
+        return self.store.keys_for(self.ns, kv.tokens(n_chunks, start=tokens_start))
+
+    def where(self, tokens_start: int, n_chunks: int) -> list[TierKind | None]:
+        return self.store.locate(self.ns, self.keys(tokens_start, n_chunks))
+
+
+@pytest.fixture
+def three_tiers(tmp_path: Path):
+    """HBM and DRAM of 8 chunks over LMDB, with a ``PlacementPolicy``."""
+    policy = PlacementPolicy(PlacementConfig(check_min_s=10.0, check_fraction=0.0))
+    config = kv.config(kv.hbm(8), kv.dram(8), kv.ssd(tmp_path / "lmdb"))
+    with TieredStore(config, policy=policy) as store:
+        yield Sessions(store, policy)
+
+
+def opened(policy: SessionPolicy, *tiers) -> Sessions:
+    return Sessions(TieredStore(kv.config(*tiers), policy=policy), policy)
+
+
+def test_a_likely_soon_return_stays_hot(three_tiers: Sessions) -> None:
+    run = three_tiers
+    state = run.request("a", 0, 3, now=0.0)
+    placed = run.policy.on_idle(run.store, state, forecast("a", 1.0, 0.9, 0.95, 0.99), 1.0)
+    assert placed is HBM
+    for now in (11.0, 21.0, 31.0, 41.0):
+        run.policy.tick(run.store, now)
+    assert run.where(0, 3) == [HBM] * 3
+
+
+def test_a_likely_long_gap_is_demoted_at_once(three_tiers: Sessions) -> None:
+    run = three_tiers
+    state = run.request("a", 0, 3, now=0.0)
+    placed = run.policy.on_idle(run.store, state, forecast("a", 1.0, 0.05, 0.2, 0.4), 1.0)
+    # Unlikely back within the hour: no target tier at all, but DRAM has room, so the
+    # chain waits there rather than being dropped; HBM, always contended, lets it go.
+    assert placed is DRAM
+    assert run.where(0, 3) == [DRAM] * 3
+    assert run.policy.demoted == 3
+
+
+def test_under_pressure_the_chain_goes_below_a_tier_it_cannot_beat(tmp_path: Path) -> None:
+    run = opened(PlacementPolicy(), kv.hbm(8), kv.dram(3), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        likely = run.request("likely", 0, 3, now=0.0)
+        run.policy.on_idle(store, likely, forecast("likely", 1.0, 0.2, 0.9, 0.95), 1.0)
+        assert run.where(0, 3) == [DRAM] * 3  # DRAM is full now
+        unlikely = run.request("unlikely", 1000, 3, now=2.0)
+        placed = run.policy.on_idle(store, unlikely, forecast("unlikely", 3.0, 0.1, 0.3, 0.9), 3.0)
+        assert placed is SSD
+        assert run.where(1000, 3) == [SSD] * 3
+        assert run.where(0, 3) == [DRAM] * 3
+
+
+def test_a_resume_prefetches_the_chain_before_its_lookup(three_tiers: Sessions) -> None:
+    run = three_tiers
+    state = run.request("a", 0, 3, now=0.0)
+    run.policy.on_idle(run.store, state, forecast("a", 1.0, 0.05, 0.2, 0.4), 1.0)
+    assert run.where(0, 3) == [DRAM] * 3
+    run.policy.on_resume(run.store, state, 500.0)
+    assert run.where(0, 3) == [HBM] * 3
+    assert run.policy.prefetches.issued == 3
+    assert run.store.lookup(run.ns, kv.tokens(3)).tiers == (HBM,) * 3
+    run.store.get(run.ns, run.keys(0, 3))
+    assert (run.policy.prefetches.used, run.policy.prefetches.wasted) == (3, 0)
+
+
+def test_a_rising_probability_prefetches_ahead_of_the_return(three_tiers: Sessions) -> None:
+    run = three_tiers
+    state = run.request("a", 0, 3, now=0.0)
+    placed = run.policy.on_idle(run.store, state, StepForecast("a", 1.0, after=300.0), 1.0)
+    assert placed is DRAM  # back in 300 s: within ten minutes, not within one
+    now = 1.0
+    while now < 230.0:
+        now += 10.0
+        run.policy.tick(run.store, now)
+    assert run.where(0, 3) == [DRAM] * 3
+    run.policy.tick(run.store, 251.0)  # now back within a minute: promote
+    assert run.where(0, 3) == [HBM] * 3
+    assert run.policy.prefetches.issued == 3
+
+
+def test_victims_go_by_predicted_return_not_recency(tmp_path: Path) -> None:
+    run = opened(PlacementPolicy(), kv.dram(6), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        likely = run.request("likely", 0, 2, now=0.0)
+        run.policy.on_idle(store, likely, forecast("likely", 1.0, 0.6, 0.7, 0.8), 1.0)
+        later = run.request("later", 1000, 2, now=2.0)  # touched last, but less likely back
+        run.policy.on_idle(store, later, forecast("later", 3.0, 0.52, 0.55, 0.6), 3.0)
+        run.request("new", 2000, 3, now=4.0)  # needs one slot more than is free
+        assert run.where(1000, 2) == [DRAM, SSD]  # the tail of the least likely chain
+        assert run.where(0, 2) == [DRAM, DRAM]
+        assert run.where(2000, 3) == [DRAM] * 3
+
+
+def test_lru_would_have_evicted_the_older_chain(tmp_path: Path) -> None:
+    run = opened(LRUBaseline(), kv.dram(6), kv.ssd(tmp_path / "lmdb"))
+    with run.store:
+        run.request("likely", 0, 2, now=0.0)
+        run.request("later", 1000, 2, now=2.0)
+        run.request("new", 2000, 3, now=4.0)
+        assert run.where(0, 2) == [DRAM, SSD]
+
+
+def test_a_shared_prefix_stays_with_its_last_user(three_tiers: Sessions) -> None:
+    run = three_tiers
+    a = run.request("a", 0, 3, now=0.0)
+    run.request("b", 0, 2, now=2.0)  # b's prompt is a's first two chunks: b owns them now
+    run.policy.on_idle(run.store, a, forecast("a", 3.0, 0.05, 0.2, 0.4), 3.0)
+    assert run.where(0, 3) == [HBM, HBM, DRAM]
+
+
+def test_ttl_demotes_what_nobody_touched_for_the_timeout(tmp_path: Path) -> None:
+    policy = TTLPolicy(60.0)
+    run = opened(policy, kv.hbm(8), kv.dram(8), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        a = run.request("a", 0, 3, now=0.0)
+        assert policy.on_idle(store, a, None, 1.0) is HBM
+        policy.tick(store, 40.0)
+        assert run.where(0, 3) == [HBM] * 3
+        run.request("b", 0, 1, now=45.0)  # b keeps the head in use
+        policy.tick(store, 61.0)
+        assert run.where(0, 3) == [HBM, DRAM, DRAM]
+
+
+def test_perfect_forecast_is_a_perfect_classifier_at_the_horizons() -> None:
+    soon = perfect_forecast("s", 0.0, 100.0, DEFAULT_HORIZONS)
+    assert soon.probabilities == (0.0, 1.0, 1.0)
+    assert (soon.within(60.0), soon.within(600.0), soon.within(1e6)) == (0.0, 1.0, 1.0)
+    learnt = ReturnForecast("s", 0.0, DEFAULT_HORIZONS, soon.probabilities)
+    assert soon.within(300.0) == pytest.approx(learnt.within(300.0))
+    never = perfect_forecast("s", 0.0, float("inf"), DEFAULT_HORIZONS)
+    assert never.probabilities == (0.0, 0.0, 0.0)
