@@ -689,13 +689,13 @@ NOTES = [
     "Daemon: python -m kvstore serve, DRAM 1.5 GiB + LMDB (every chunk is served from DRAM), "
     "its own process; client, daemon and bare app share the machine's CPUs.",
     "shm ceiling: np.copyto into preallocated, touched buffers, one thread (the same for get "
-    "and get_into); the client's plain get allocates each chunk.",
+    "and get_into); the client also checksums what it copies and pays a lease round trip.",
     "unix/tcp ceiling: a bare aiohttp app in its own process answering a same-size body in "
     "chunk-sized writes (get), or reading and discarding one (put); httpx with the client's "
-    "transport, pool and timeout; the ceiling client discards the bytes it reads.",
-    "Bare put bodies go out as views of at most 1 MiB: httpcore copies the unsent rest of a "
-    "piece after every partial send, quadratic in the piece size on a Unix socket (whole "
-    "16 MiB pieces ran ~9x slower); the client sends whole blocks.",
+    "transport (kvstore.client.transports: sendall writes, larger reads), pool and timeout; "
+    "the ceiling client discards the bytes it reads, the store client verifies every block.",
+    "Put bodies, bare and store alike, go out as views of at most 1 MiB: whole multi-MiB "
+    "pieces are quadratic in httpcore's default write path.",
     "No shm put: a put always travels over the socket (the unix row).",
 ]
 

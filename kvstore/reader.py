@@ -100,6 +100,13 @@ def check_copied(
                 destination.header.data, destination.payload.data, check_payload=tier.verifies_reads
             )
             check_identity(header, namespace, key)
+            if header.codec is not Codec.NONE:
+                # A compressed block that happened to be exactly one chunk long was
+                # copied in place as it is stored; decode it where it landed.
+                raw = decode_payload(
+                    destination.payload.tobytes(), header.dtype, header.codec, header.raw_len
+                )
+                np.copyto(destination.payload, np.frombuffer(raw, dtype=np.uint8))
         except (CorruptBlock, LayoutMismatch):
             outcome.bad.append(key)
             continue
