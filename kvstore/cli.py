@@ -5,6 +5,8 @@
     kvstore serve [--config FILE]
     kvstore stats [--url unix:///path/kvstore.sock | http://host:port] [--token TOKEN]
                   [--config FILE] [--json]
+    kvstore replay TRACE --hbm-gb X --dram-gb Y --ssd-gb Z [--policy ...] [--json] [--plot DIR]
+    kvstore train-predictor TRACE... --out FILE
 
 ``stats`` finds the daemon's socket from the same config ``serve`` reads
 unless ``--url`` says otherwise; ``--token`` (or ``KVSTORE_AUTH_TOKEN``) is
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.predictor.replay import cli as replay_cli
 from kvstore.server.config import TOKEN_VARIABLE, ServiceConfig
 from kvstore.wire import exception_from_body
 
@@ -38,7 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats.add_argument("--config", help="find the socket from this config file")
     stats.add_argument("--json", action="store_true", help="print the raw JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    replay_cli.add_commands(commands)
     args = parser.parse_args(argv)
+    if args.command in replay_cli.COMMANDS:
+        return replay_cli.run(args)
     if args.command == "serve":
         return _serve(args.config)
     return _stats(args)

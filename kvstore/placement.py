@@ -198,9 +198,17 @@ class Placement:
                 continue
             if meta.pins or key in protect:
                 continue
-            self.evict(kind, key, meta)
+            self.evict(kind, key, meta, to=self._destination(kind, key))
             return True
         return False
+
+    def _destination(self, kind: TierKind, key: ChunkKey) -> TierKind | None:
+        """Where a victim of ``kind`` is written back: the tier the policy names, if it
+        has a ``destination(tier, key)`` method and names a slower tier (a block that
+        would only be the next victim in the tier below may skip it), else the next."""
+        choose = getattr(self._policy, "destination", None)
+        target = choose(kind, key) if choose is not None else None
+        return target if target is not None and target > kind and target in self.tiers else None
 
     def evict(
         self,

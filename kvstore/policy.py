@@ -4,7 +4,9 @@ The store owns placement mechanics (demote on pressure, drop only from the
 last tier, skip pinned blocks); a policy only orders candidates. It is told
 about every insertion, access and removal per tier, and answers
 ``victims(tier)``: keys in the order they should go. The return-time
-predictor plugs in here by implementing the same protocol.
+predictor plugs in here by implementing the same protocol. A policy may also
+have ``destination(tier, key) -> TierKind | None``: where a victim is written
+back, when not the next tier down (``kvstore.placement``).
 
 Prefix awareness comes from the order of notifications. The store always
 reports a chain head first (``keys[0]`` is the oldest ancestor). ``LRUPolicy``

@@ -9,35 +9,41 @@ A policy here is two things at once:
   ``on_idle`` when a session's last request finishes, ``on_resume`` when one
   starts, and ``tick`` on a timer. Each takes ``now``; nothing reads a clock.
 
-``PlacementPolicy`` (the predictor's) works from a ``ReturnForecast``, the
-probability that the session returns within each horizon, and re-reads it as
-idle time ``e`` passes: P(return within ``H`` more seconds | not back after
-``e``) = (F(e + H) - F(e)) / (1 - F(e)). Each tier has a horizon (HBM 1 min,
-DRAM 10 min, SSD 1 h, Redis 4 h) and a keep threshold::
+``PlacementPolicy`` (the predictor's) reads a ``ReturnForecast`` (P(back within
+each horizon), made when the session went idle) again as idle time ``e``
+passes: P(back within ``H`` more seconds | not back after ``e``) =
+(F(e + H) - F(e)) / (1 - F(e)). Between its horizons F is shaped like the
+idle gaps seen so far (``GapShape``); beyond the last one it stays flat.
 
-    target(e) = the fastest tier t with P(back within H_t | e) >= keep_t,
-                or dropped when none qualifies
+Idle placement. Each tier has a horizon (HBM 1 min, DRAM 10 min, SSD 1 h,
+Redis 4 h) and a keep threshold::
 
-so a chain stays in HBM while a return within a minute is likely, in DRAM
-while one within ten minutes is, and so on. Current pressure gates the slower
-tiers: HBM is always contended (the running batch needs it), so an idle chain
-leaves it as soon as its target says so, but a DRAM, SSD or Redis tier that is
-below ``watermark`` full keeps what it holds, as evicting early would buy
-nothing. When the target rises above where the chain lies (the oracle's
-step-shaped forecasts do that; a learnt one rarely does), the chain is
-promoted ahead of the return: a prefetch. ``on_resume`` prefetches too: a
-request-began event means the lookup is next.
+    target(e) = the fastest tier t with P(back within H_t | e) >= keep_t
+                (none: the chain may be dropped)
+
+A chain whose target is slower than where it lies leaves that tier at once,
+when the forecast is made or at a later look, but only under current
+pressure: a tier with room (below ``FULL``), or whose next victim ranks below
+the chain, keeps it, as freeing the space would buy nothing yet. It moves down
+to the first tier that keeps it; the last tier always does, and there ranked
+eviction decides, so "SSD within hours, dropped otherwise" is what pressure
+does to a chain nobody expects back. When the target rises above where the chain lies (a step-shaped
+forecast, a tool result on its way), the chain is promoted ahead of the
+return: a prefetch. ``on_resume`` prefetches too: a request-began event means
+the lookup is next. ``prefetches`` counts what became of them.
 
 Eviction by predicted reuse. Each block belongs to the last session that
-touched it. ``victims(tier)`` ranks sessions by the probability that they
-return within the tier's horizon (ties: the probability they return at all,
-then least recently touched first), and yields each session's blocks tail
-first, so a cached prefix stays a prefix. Blocks of running sessions rank
-last; blocks no session ever touched rank first, least recent first.
+touched it. ``victims(tier)`` ranks sessions by the chance that they are back
+while a block kept in that tier would stay there (the tier's measured mean
+residence before eviction, at most its horizon), ties by the chance that they
+come back at all, then least recently touched first; a session's blocks go
+tail first. Only leaves go: a block with a child in the same tier stays, so a
+cached prefix stays a prefix and a system prompt shared by every session
+outlives the chains that extend it, whoever touched it last. Blocks of
+running sessions rank last; blocks no session touched rank first, LRU.
 
-Ownership, not membership, decides what a session's idle placement moves: a
-system prompt shared by every session belongs to whoever used it last, so one
-session going idle does not demote a block that the others keep using.
+Ownership, not membership, decides what a session's idle placement moves, so
+one session going idle does not demote a prefix the others keep using.
 
 ``TTLPolicy`` (an idle timeout demotes out of HBM, eviction LRU) and
 ``LRUBaseline`` (LRU, hooks that do nothing) are the baselines; the oracle is
@@ -60,6 +66,7 @@ import numpy as np
 from kvstore.errors import UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.policy import EvictionPolicy, LRUPolicy
+from kvstore.predictor.online import ReturnForecast
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
 
@@ -145,7 +152,8 @@ class SessionPolicy(EvictionPolicy, Protocol):
     def on_idle(
         self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
     ) -> TierKind | None:
-        """``state`` went idle; place its chain. Returns the tier chosen (None: dropped)."""
+        """``state`` went idle; place its chain. Returns the tier it is kept in (None: not
+        placed by this policy)."""
         ...
 
     def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
@@ -157,33 +165,14 @@ class SessionPolicy(EvictionPolicy, Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class PerfectForecast:
-    """The oracle's forecast: probabilities 1 at the horizons the true gap falls within, else 0,
-    read between horizons exactly as ``ReturnForecast.within`` reads a learnt one."""
-
-    session: str
-    at: float
-    horizons: tuple[float, ...]
-    probabilities: tuple[float, ...]
-
-    def within(self, seconds: float) -> float:
-        xs = [0.0, *(math.log1p(h) for h in self.horizons)]
-        ys = [0.0, *self.probabilities]
-        x = math.log1p(max(0.0, seconds))
-        if x >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, x)
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-
-
 def perfect_forecast(
     session: str, at: float, gap: float, horizons: Sequence[float]
-) -> PerfectForecast:
-    """What a perfect classifier says of a session that will be back after ``gap`` seconds
-    (``math.inf``: never)."""
+) -> ReturnForecast:
+    """The oracle's forecast of a session that will be back after ``gap`` seconds
+    (``math.inf``: never): a perfect classifier, 1 at every horizon the gap falls
+    within and 0 at the others, read between horizons as any forecast is."""
     horizons = tuple(float(h) for h in horizons)
-    return PerfectForecast(session, at, horizons, tuple(float(gap <= h) for h in horizons))
+    return ReturnForecast(session, at, horizons, tuple(float(gap <= h) for h in horizons))
 
 
 @dataclass
@@ -214,8 +203,6 @@ class PlacementConfig:
     horizons_s: tuple[float, float, float, float] = (60.0, 600.0, 3600.0, 4 * 3600.0)
     keep: tuple[float, float, float, float] = (0.5, 0.5, 0.5, 0.5)
     """Keep a chain in a tier while P(back within its horizon) is at least this."""
-    watermark: float = 0.9
-    """Below this fill, a DRAM, SSD or Redis tier keeps what it holds."""
     check_min_s: float = 10.0
     check_fraction: float = 0.25
     check_max_s: float = 300.0
@@ -316,12 +303,13 @@ class _Session:
     target: TierKind | None = None  # the tier its forecast called for at the last look
     levels: tuple[tuple[float, float], ...] = ()  # (horizon, P(back within it)) at idle
     epoch: int = 0  # bumped at every idle and resume, so stale checks are skipped
-    touched: int = 0  # recency, from ``_Recency``
+    touched: int = 0  # recency: a counter bumped at every access
     score: dict[TierKind, tuple[float, float]] = field(default_factory=dict)
 
 
 # One session's place in a tier's eviction order: (p within horizon, p at all, recency).
 _Rank = tuple[float, float, int]
+FULL = 0.95  # a tier this full is under pressure: a chain must outrank its next victim
 _RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
 _ACTIVE: tuple[float, float] = (INF, INF)
 _UNKNOWN: tuple[float, float] = (0.0, 0.0)
@@ -422,7 +410,6 @@ class PlacementPolicy:
         self.prefetches = PrefetchStats()
         self.gaps = GapShape()
         self.demoted = 0  # chunks moved down by idle placement (not by pressure)
-        self.dropped = 0  # chunks deleted by idle placement
         self._now = 0.0
         self._recency = itertools.count(1)
         self._sessions: dict[str, _Session] = {}
@@ -435,6 +422,10 @@ class PlacementPolicy:
         self._entered: dict[TierKind, dict[ChunkKey, float]] = {kind: {} for kind in TierKind}
         self._residence: dict[TierKind, float] = {}  # mean stay before eviction, per tier
         self._moving: set[ChunkKey] = set()  # keys idle placement is moving right now
+        self._parent: dict[ChunkKey, ChunkKey] = {}  # from session chains
+        self._store: TieredStore | None = None  # the store the hooks were last called with
+        self._linked: dict[TierKind, dict[ChunkKey, ChunkKey]] = {k: {} for k in TierKind}
+        self._children: dict[TierKind, dict[ChunkKey, int]] = {k: {} for k in TierKind}
 
     # -- EvictionPolicy ----------------------------------------------------
 
@@ -447,7 +438,9 @@ class PlacementPolicy:
         anonymous: list[ChunkKey] = []
         touched: dict[str, None] = {}
         for key in keys:
-            entered.setdefault(key, self._now)
+            if key not in entered:
+                entered[key] = self._now
+                self._count_child(tier, key)
             if prefetched and key in prefetched:
                 prefetched.discard(key)
                 self.prefetches.used += 1
@@ -468,6 +461,12 @@ class PlacementPolicy:
 
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
         self._tiers[tier].remove(key)
+        parent = self._linked[tier].pop(key, None)
+        if parent is not None:
+            children = self._children[tier]
+            children[parent] -= 1
+            if not children[parent]:
+                del children[parent]
         since = self._entered[tier].pop(key, None)
         if since is not None and key not in self._moving:
             stay = self._now - since
@@ -480,19 +479,59 @@ class PlacementPolicy:
         if prefetched and key in prefetched:
             prefetched.discard(key)
             self.prefetches.wasted += 1
-        if key in self._owner and not any(key in r.owner for r in self._tiers.values()):
-            del self._owner[key]
+        if not any(key in entered for entered in self._entered.values()):
+            self._owner.pop(key, None)
+            self._parent.pop(key, None)
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
-        yield from self._anonymous.victims(tier)
-        yield from self._tiers[tier].victims()
+        """Leaves only: a block with a child in the same tier stays, so a shared prefix
+        outlives every chain that extends it, whoever touched it last."""
+        children = self._children[tier]
+        for key in itertools.chain(self._anonymous.victims(tier), self._tiers[tier].victims()):
+            if key not in children:
+                yield key
+
+    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+        """Where a victim of ``tier`` goes (``kvstore.placement`` asks): the first slower
+        tier that has room or whose next victim the block's session outranks; the
+        last tier if none. ``None`` (the next tier) when the policy has no say."""
+        store = self._store
+        owner = self._owner.get(key)
+        session = self._sessions.get(owner) if owner is not None else None
+        if store is None or session is None:
+            return None
+        slower = [kind for kind in store.tier_kinds if kind > tier]
+        chances = {kind: self._rank(session, kind)[:2] for kind in slower}
+        for kind in slower[:-1]:
+            if self._fits(store, kind, session.name, chances):
+                return kind
+        return slower[-1] if slower else None
+
+    def _link(self, chain: Sequence[ChunkKey]) -> None:
+        """Learn the parent of every key of ``chain`` (a key names its whole prefix, so
+        its parent never changes), and count it where the key is already held."""
+        for parent, key in itertools.pairwise(chain):
+            if key in self._parent:
+                continue
+            self._parent[key] = parent
+            for tier, entered in self._entered.items():
+                if key in entered:
+                    self._count_child(tier, key)
+
+    def _count_child(self, tier: TierKind, key: ChunkKey) -> None:
+        parent = self._parent.get(key)
+        linked = self._linked[tier]
+        if parent is not None and key not in linked:
+            linked[key] = parent
+            children = self._children[tier]
+            children[parent] = children.get(parent, 0) + 1
 
     # -- session hooks -----------------------------------------------------
 
     def on_idle(
         self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
     ) -> TierKind | None:
-        self._now = now
+        self._now, self._store = now, store
         session = self._session(state.session)
         session.active = False
         session.idle_since = now
@@ -502,23 +541,25 @@ class PlacementPolicy:
         session.state = state
         session.target = None
         session.epoch += 1
+        self._link(state.chain)
         return self._place(store, session, now)
 
     def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
         """Prefetch the session's chain into the fastest tier: its lookup is next."""
-        self._now = now
+        self._now, self._store = now, store
         session = self._session(state.session)
         if not session.active and session.forecast is not None:
             self.gaps.add(now - session.idle_since)
         session.active = True
         session.state = state
         session.epoch += 1
+        self._link(state.chain)
         self._rerank(session)
         self._prefetch(store, session, store.tier_kinds[0])
 
     def tick(self, store: TieredStore, now: float) -> None:
         """Re-place the idle sessions whose next look is due."""
-        self._now = now
+        self._now, self._store = now, store
         while self._checks and self._checks[0][0] <= now:
             _, _, epoch, name = heapq.heappop(self._checks)
             session = self._sessions.get(name)
@@ -527,7 +568,7 @@ class PlacementPolicy:
 
     # -- placement ---------------------------------------------------------
 
-    def _place(self, store: TieredStore, session: _Session, now: float) -> TierKind | None:
+    def _place(self, store: TieredStore, session: _Session, now: float) -> TierKind:
         """Move an idle session's chain where its forecast says for its idle time so far,
         then schedule the next look (sooner while the idle time is short)."""
         order = store.tier_kinds
@@ -548,15 +589,16 @@ class PlacementPolicy:
                 ),
                 None,
             )
-        # Pressure: a tier faster than the target, HBM aside (always contended), still
-        # keeps the chain while it has room or the chain beats its next victim.
-        placed = target
-        for kind in order[1:]:
-            if placed is not None and kind >= placed:
-                break
-            if self._fits(store, kind, session.name, chances):
-                placed = kind
-                break
+        # The chain stays in a tier at least as fast as its target, and in a faster one
+        # while that has room or the chain outranks its next victim (current pressure):
+        # holding it there costs nothing until someone else needs the space.
+        placed = order[0]
+        while (
+            placed != order[-1]
+            and (target is None or target > placed)
+            and not self._fits(store, placed, session.name, chances)
+        ):
+            placed = order[order.index(placed) + 1]
         level = self._level(session.name)
         namespace = _namespace(store, state)
         rising = target is not None and (session.target is None or target < session.target)
@@ -570,7 +612,7 @@ class PlacementPolicy:
             ):
                 self._prefetch(store, session, target)
                 placed = target
-            elif placed is None or placed > level:
+            elif placed > level:
                 self._demote(store, namespace, session.name, placed)
         if self._level(session.name) is None:
             del self._sessions[session.name]  # nothing left to place
@@ -628,23 +670,17 @@ class PlacementPolicy:
             return horizon
         return min(horizon, max(residence, self.config.check_min_s))
 
-    def _demote(
-        self, store: TieredStore, namespace: Namespace, name: str, to: TierKind | None
-    ) -> None:
-        """Move the blocks session ``name`` owns out of every tier faster than ``to``
-        (``None``: drop them)."""
+    def _demote(self, store: TieredStore, namespace: Namespace, name: str, to: TierKind) -> None:
+        """Move the blocks session ``name`` owns out of every tier faster than ``to``."""
         owned: dict[ChunkKey, None] = {}
         for kind, ranking in self._tiers.items():
-            if to is None or kind < to:
+            if kind < to:
                 owned.update(dict.fromkeys(ranking.blocks.get(name, ())))
         if not owned:
             return
         self._moving = set(owned)
         try:
-            if to is None:
-                self.dropped += store.delete(namespace, list(owned))
-            else:
-                self.demoted += store.demote(namespace, list(owned), to=to)
+            self.demoted += store.demote(namespace, list(owned), to=to)
         finally:
             self._moving = set()
 
@@ -656,21 +692,35 @@ class PlacementPolicy:
         namespace = _namespace(store, state)
         if namespace is None:
             return
-        slower = []
-        for key in state.chain:  # the cached head of the chain: a lookup reads no further
+        # The cached head of the chain (a lookup reads no further), at most half the
+        # tier: a longer one would only push itself, and everyone else, out again. All
+        # of it goes to ``promote``, so the part already in ``to`` is protected too.
+        head: list[ChunkKey] = []
+        slower: list[ChunkKey] = []
+        for key in state.chain[: self._slots(store, to) // 2]:
             fastest = self._fastest(key)
             if fastest is None:
                 break
+            head.append(key)
             if fastest > to:
                 slower.append(key)
         if not slower:
             return
-        store.promote(namespace, slower, to=to)
+        store.promote(namespace, head, to=to)
         landed = self._tiers[to].owner
         for key in slower:
             if key in landed:
                 self._prefetched[to].add(key)
                 self.prefetches.issued += 1
+
+    def _slots(self, store: TieredStore, kind: TierKind) -> int:
+        """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
+        tier = store.tier(kind)
+        held = len(self._entered[kind])
+        used = tier.used_bytes()
+        if not held or not used:
+            return 1 << 30  # empty: no size to go by yet, and no one to push out
+        return int(tier.capacity_bytes() * held / used)
 
     def _fits(
         self,
@@ -679,9 +729,10 @@ class PlacementPolicy:
         name: str,
         chances: dict[TierKind, tuple[float, float]],
     ) -> bool:
-        """Whether tier ``kind`` has room, or session ``name`` with these chances beats the
-        session next in line for eviction there."""
-        if _fill(store, kind) < self.config.watermark:
+        """Whether tier ``kind`` has room, or session ``name`` with these chances ranks above
+        the session next in line for eviction there."""
+        tier = store.tier(kind)
+        if tier.used_bytes() < FULL * tier.capacity_bytes():
             return True
         return chances[kind] > self._marginal(kind, name)
 
@@ -725,12 +776,6 @@ class PlacementPolicy:
         for kind, ranking in self._tiers.items():
             if session.name in ranking.blocks:
                 ranking.rank(session.name, self._rank(session, kind))
-
-
-def _fill(store: TieredStore, kind: TierKind) -> float:
-    tier = store.tier(kind)
-    capacity = tier.capacity_bytes()
-    return tier.used_bytes() / capacity if capacity else 1.0
 
 
 def _namespace(store: TieredStore, state: IdleSession) -> Namespace | None:

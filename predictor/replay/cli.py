@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -143,9 +144,8 @@ def _replay(args: argparse.Namespace) -> int:
             for size in sizes:
                 if size in sweep:
                     continue
-                sized = ReplayConfig(
-                    **{**config.__dict__, "sizing": Sizing(size, args.dram_gb, args.ssd_gb, args.redis_gb)}
-                )
+                sizing = Sizing(size, args.dram_gb, args.ssd_gb, args.redis_gb)
+                sized = dataclasses.replace(config, sizing=sizing)
                 sweep[size] = {r.name: r.hit_rate for r in replay(trace, specs, sized, progress)}
     if args.json:
         print(json.dumps(report, indent=2))

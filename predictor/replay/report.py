@@ -64,7 +64,7 @@ def policy_summary(result: PolicyResult) -> dict[str, Any]:
         "prefetches": result.prefetches.to_dict(),
         "prefetches_used": result.prefetches.used,
         "prefetches_wasted": result.prefetches.wasted,
-        "placement": {"demoted": result.demoted_at_idle, "dropped": result.dropped_at_idle},
+        "demoted_at_idle": result.demoted_at_idle,
         "tiers": result.tier_counters,
         "auc": {},
         "brier": {},
@@ -137,9 +137,7 @@ def summarize(
             "chunk_tokens": chunk_tokens,
             "kv_bytes_per_token": config.kv_bytes_per_token,
             "recompute_tokens_per_s": config.costs.recompute_tokens_per_s,
-            "reload_bytes_per_s": {
-                kind.label: config.costs.bytes_per_s(kind) for kind in TierKind
-            },
+            "reload_bytes_per_s": {kind.label: config.costs.bytes_per_s(kind) for kind in TierKind},
             "decode_tokens_per_s": config.decode_tokens_per_s,
             "tick_s": config.tick_s,
             "horizons": list(horizons),
@@ -196,7 +194,10 @@ def format_table(report: dict[str, Any]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
         for row in rows
     ]
     config = report["config"]
@@ -205,7 +206,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"tokens; HBM {config['hbm_gb']} GB ({config['slots']['hbm']} chunks), DRAM "
         f"{config['dram_gb']} GB ({config['slots']['dram']}), SSD {config['ssd_gb']} GB "
         f"({config['slots']['ssd']})"
-        + (f", Redis {config['redis_gb']} GB ({config['slots']['redis']})" if config["redis_gb"] else "")
+        + (
+            f", Redis {config['redis_gb']} GB ({config['slots']['redis']})"
+            if config["redis_gb"]
+            else ""
+        )
     )
     out = [head, "", *lines]
     predictor = report["policies"].get("predictor")

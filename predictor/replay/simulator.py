@@ -8,9 +8,10 @@ Each request becomes two session events, and a timer ticks in between::
     request_finished  (+ decode)     tracker/learner (forecast) ─► policy.on_idle
     tick              (every tick_s) learner.tick, policy.tick, HBM held by idle sessions
 
-Events run in time order; at equal times a finish comes before a tick and a
-tick before a start. A request ends after ``output_tokens / decode_tokens_per_s``
-seconds, or when its session's next request arrives, if that is sooner.
+Events run in time order (at equal times a finish before a start), and every
+tick due by an event's time runs before it. A request ends after
+``output_tokens / decode_tokens_per_s`` seconds, or when its session's next
+request arrives, if that is sooner.
 
 What is real: the store (an HBM tier on ``device="cpu"``, a shared-memory
 DRAM arena, LMDB in a temporary directory with ``sync=False``, a private
@@ -30,6 +31,7 @@ session's true next arrival read from the trace instead of the model.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import tempfile
@@ -47,8 +49,9 @@ from kvstore.keys import ChunkKey, Namespace, external_keys
 from kvstore.policy import EvictionPolicy
 from kvstore.predictor.features import feature_names
 from kvstore.predictor.model import DEFAULT_HORIZONS, ReturnModel
-from kvstore.predictor.online import OnlineLearner
+from kvstore.predictor.online import OnlineLearner, ReturnForecast
 from kvstore.predictor.policy import (
+    Forecast,
     LRUBaseline,
     PlacementConfig,
     PlacementPolicy,
@@ -164,7 +167,6 @@ class PolicyResult:
     hbm_byte_seconds_idle: float = 0.0
     prefetches: PrefetchStats = field(default_factory=PrefetchStats)
     demoted_at_idle: int = 0
-    dropped_at_idle: int = 0
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict)
     quality: dict[str, dict[str, float]] | None = None
     calibration: list[tuple[float, float, int]] = field(default_factory=list)
@@ -258,11 +260,9 @@ class _IdleWatch:
             if session is not None:
                 self._last[key] = session
             if tier is TierKind.HBM:
-                owner = self._last.get(key)
-                previous = self._owner.get(key, ...)
-                if previous is not ...:
-                    self.held[previous] -= 1
-                self._owner[key] = owner
+                if key in self._owner:
+                    self.held[self._owner[key]] -= 1
+                owner = self._owner[key] = self._last.get(key)
                 self.held[owner] += 1
 
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
@@ -272,6 +272,10 @@ class _IdleWatch:
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
         return self.inner.victims(tier)
+
+    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+        choose = getattr(self.inner, "destination", None)
+        return choose(tier, key) if choose is not None else None
 
 
 def _policy(spec: PolicySpec, config: ReplayConfig) -> SessionPolicy:
@@ -304,7 +308,7 @@ def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> S
             tiers.append(TierConfig(kind, capacity, url=config.redis_url, key_prefix=prefix))
     if not tiers:
         raise ConfigError("every tier has zero capacity")
-    costs = CostModel(**{**_fields(config.costs), "kv_bytes_per_token": config.kv_bytes_per_token})
+    costs = dataclasses.replace(config.costs, kv_bytes_per_token=config.kv_bytes_per_token)
     return StoreConfig(
         tiers=tuple(tiers),
         promote_on_hit=True,
@@ -312,10 +316,6 @@ def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> S
         data_dir=directory,
         costs=costs,
     )
-
-
-def _fields(costs: CostModel) -> dict[str, object]:
-    return {name: getattr(costs, name) for name in costs.__dataclass_fields__}
 
 
 def horizons_for(trace: Trace, config: ReplayConfig) -> tuple[float, ...]:
@@ -461,7 +461,7 @@ class _Run:
         keys = self.chains.of(request)
         hit, recomputed = self._served.pop(event.request)
         finished = _finished(request, event, hit, recomputed)
-        forecast = None
+        forecast: Forecast | None = None
         if self.learner is not None:
             forecast = self.learner.observe(finished, keys, self.namespace.digest)
         else:
@@ -473,7 +473,7 @@ class _Run:
         gap = event.next_start - now if event.next_start is not None else math.inf
         if self.spec.kind is PolicyKind.ORACLE:
             forecast = perfect_forecast(request.session, now, gap, self.horizons)
-        elif forecast is not None:
+        elif isinstance(forecast, ReturnForecast):
             self._calibrate(forecast.horizons, forecast.probabilities, now, gap)
         self.policy.on_idle(self.store, state, forecast, now)
 
@@ -503,7 +503,6 @@ class _Run:
         result.prefetches = self.policy.prefetches
         if isinstance(self.policy, PlacementPolicy):
             result.demoted_at_idle = self.policy.demoted
-            result.dropped_at_idle = self.policy.dropped
         if self.learner is not None and self.learner.scores is not None:
             result.quality = self.learner.scores.report()
         stats = self.store.stats()
