@@ -536,8 +536,9 @@ class PlacementPolicy:
         session.active = False
         session.idle_since = now
         session.forecast = forecast
-        horizons = getattr(forecast, "horizons", ()) if forecast is not None else ()
-        session.levels = tuple((h, forecast.within(h)) for h in horizons) if forecast else ()
+        session.levels = (
+            tuple((h, forecast.within(h)) for h in forecast.horizons) if forecast else ()
+        )
         session.state = state
         session.target = None
         session.epoch += 1

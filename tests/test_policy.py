@@ -33,6 +33,7 @@ class StepForecast:
     session: str
     at: float
     after: float
+    horizons: tuple[float, ...] = ()  # none: the policy reads ``within`` as it is
 
     def within(self, seconds: float) -> float:
         return float(seconds >= self.after)
