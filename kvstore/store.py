@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -715,12 +715,20 @@ class TieredStore:
             tier = self._placement.tiers[kind]
             if tier.verifies_reads:
                 continue
-            with self._lock:
-                self._check_open()
-                held = self._index.held_by(kind)
-            for start in range(0, len(held), batch):
-                failed += self._scrub_batch(tier, held[start : start + batch])
+            for entries in self._held_in_batches(kind, batch):
+                failed += self._scrub_batch(tier, entries)
         return failed
+
+    def _held_in_batches(
+        self, kind: TierKind, batch: int
+    ) -> Iterator[list[tuple[bytes, ChunkKey]]]:
+        """The blocks ``kind`` holds, snapshotted once under the lock and handed out in
+        batches, so maintenance (scrub, flush) never holds the lock for a whole tier."""
+        with self._lock:
+            self._check_open()
+            held = self._index.held_by(kind)
+        for start in range(0, len(held), batch):
+            yield held[start : start + batch]
 
     def _scrub_periodically(self) -> None:
         interval = self.config.scrub_interval_s
@@ -771,15 +779,12 @@ class TieredStore:
         for kind in self._placement.order:
             if kind not in _VOLATILE:
                 continue
-            with self._lock:
-                self._check_open()
-                held = self._index.held_by(kind)
-            for start in range(0, len(held), batch):
+            for entries in self._held_in_batches(kind, batch):
                 if deadline is not None and time.monotonic() > deadline:
                     return written
                 with self._lock:
                     self._check_open()
-                    written += self._flush_batch(kind, target, held[start : start + batch])
+                    written += self._flush_batch(kind, target, entries)
         return written
 
     def _flush_batch(
