@@ -20,9 +20,11 @@ lint: typecheck
 
 # mypy cannot follow setuptools' package-dir mapping (tiers/ -> kvstore.tiers),
 # so it checks a tree of symlinks laid out as the installed package is.
-TYPECHECK := build/typecheck/kvstore
+# TYPECHECK_ROOT lets several checkouts or agents typecheck at once without sharing a tree.
+TYPECHECK_ROOT ?= build/typecheck
+TYPECHECK := $(TYPECHECK_ROOT)/kvstore
 typecheck:
-	rm -rf build/typecheck && mkdir -p $(TYPECHECK)
+	rm -rf $(TYPECHECK_ROOT) && mkdir -p $(TYPECHECK)
 	ln -s $(CURDIR)/kvstore/*.py $(TYPECHECK)/
 	ln -s $(CURDIR)/kvstore/server $(TYPECHECK)/server
 	ln -s $(CURDIR)/tiers $(TYPECHECK)/tiers
