@@ -28,8 +28,7 @@ its block demoted from under it.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -41,8 +40,6 @@ from kvstore.block import (
     check_identity,
     encode_block,
     parse_header,
-    stored_block,
-    verify_block,
 )
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.codec import CodecSpec
@@ -57,6 +54,7 @@ from kvstore.errors import (
 from kvstore.guarded import GuardedTier
 from kvstore.index import BlockIndex
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
+from kvstore.maintenance import Maintenance
 from kvstore.placement import Admission, Placement
 from kvstore.policy import EvictionPolicy, LRUPolicy
 from kvstore.reader import BlockReader
@@ -98,10 +96,6 @@ class ServedGet:
     lost: int = 0
 
 
-# Tiers whose contents die with the process; ``flush`` copies them down.
-_VOLATILE = frozenset({TierKind.HBM, TierKind.DRAM})
-
-
 class TieredStore:
     """The embedded, thread-safe tiered KV store. See the module docstring."""
 
@@ -137,13 +131,14 @@ class TieredStore:
         if self.config.scan_on_open:
             with self._lock:
                 self._placement.rebuild_index()
-        self._scrub_stop = threading.Event()
-        self._scrubber: threading.Thread | None = None
-        if self.config.scrub_interval_s:
-            self._scrubber = threading.Thread(
-                target=self._scrub_periodically, name="kvstore-scrub", daemon=True
-            )
-            self._scrubber.start()
+        self._maintenance = Maintenance(
+            self._lock,
+            self._index,
+            self._placement,
+            self._stats,
+            self._check_open,
+            self.config.scrub_interval_s,
+        )
 
     # -- namespaces -------------------------------------------------------
 
@@ -702,117 +697,13 @@ class TieredStore:
         return deleted
 
     def scrub(self, batch: int = 64) -> int:
-        """Verify the checksum of every block in the memory tiers; return how many failed.
-
-        Reads from LMDB and Redis are verified on every access, but blocks in
-        DRAM and HBM were verified once, on the way in, and are trusted after
-        that. A scrub re-checks them, so that memory corrupted in place (a
-        stray write through a client's mapping, a bit flip) is found and purged
-        before it is served. Runs in batches, pinning each batch while it reads.
-        """
-        failed = 0
-        for kind in self._placement.order:
-            tier = self._placement.tiers[kind]
-            if tier.verifies_reads:
-                continue
-            for entries in self._held_in_batches(kind, batch):
-                failed += self._scrub_batch(tier, entries)
-        return failed
-
-    def _held_in_batches(
-        self, kind: TierKind, batch: int
-    ) -> Iterator[list[tuple[bytes, ChunkKey]]]:
-        """The blocks ``kind`` holds, snapshotted once under the lock and handed out in
-        batches, so maintenance (scrub, flush) never holds the lock for a whole tier."""
-        with self._lock:
-            self._check_open()
-            held = self._index.held_by(kind)
-        for start in range(0, len(held), batch):
-            yield held[start : start + batch]
-
-    def _scrub_periodically(self) -> None:
-        interval = self.config.scrub_interval_s
-        assert interval is not None
-        while not self._scrub_stop.wait(interval):
-            try:
-                self.scrub()
-            except KVStoreError:  # closed under us
-                return
-
-    def _scrub_batch(self, tier: GuardedTier, entries: list[tuple[bytes, ChunkKey]]) -> int:
-        with self._lock:
-            pinned = self._index.pin([key for _, key in entries])
-        bad: list[tuple[bytes, ChunkKey]] = []
-        try:
-            for namespace, key in entries:
-                buffers = tier.get_many(namespace, [key])
-                if not buffers or buffers[0] is None:
-                    continue
-                try:
-                    header = verify_block(buffers[0])
-                    if header.key != key or header.namespace_digest != namespace:
-                        raise CorruptBlock("block stored under another key")
-                except CorruptBlock:
-                    bad.append((namespace, key))
-        finally:
-            with self._lock:
-                self._index.unpin(pinned)
-                self._stats.tier(tier.kind).corrupt_blocks += len(bad)
-                for namespace, key in bad:
-                    self._placement.forget(tier.kind, namespace, key)
-        return len(bad)
+        """Re-verify the blocks of the memory tiers; how many failed (``Maintenance.scrub``)."""
+        return self._maintenance.scrub(batch)
 
     def flush(self, *, deadline: float | None = None, batch: int = 64) -> int:
-        """Copy every block that only a volatile tier (HBM, DRAM) holds into the
-        first persistent tier below it; the memory copy stays. Returns how many
-        blocks were written.
-
-        Puts are write-back: a block reaches LMDB only when DRAM evicts it. A
-        daemon flushes before a graceful exit so that what it cached survives
-        the restart. Runs batch by batch with the lock held per batch, and
-        stops at the first batch boundary past ``deadline`` (``time.monotonic``).
-        """
-        target = next((kind for kind in self._placement.order if kind not in _VOLATILE), None)
-        if target is None:
-            return 0
-        written = 0
-        for kind in self._placement.order:
-            if kind not in _VOLATILE:
-                continue
-            for entries in self._held_in_batches(kind, batch):
-                if deadline is not None and time.monotonic() > deadline:
-                    return written
-                with self._lock:
-                    self._check_open()
-                    written += self._flush_batch(kind, target, entries)
-        return written
-
-    def _flush_batch(
-        self, kind: TierKind, target: TierKind, entries: list[tuple[bytes, ChunkKey]]
-    ) -> int:
-        """Write ``entries`` of tier ``kind`` that no persistent tier holds into
-        ``target``. Lock held."""
-        placement = self._placement
-        tier = placement.tiers[kind]
-        by_namespace: dict[bytes, list[Admission]] = {}
-        for namespace, key in entries:
-            meta = self._index.get(key)
-            if meta is None or kind not in meta.sizes or any(t >= target for t in meta.sizes):
-                continue
-            buffers = tier.get_many(namespace, [key])
-            if not buffers or buffers[0] is None:
-                continue
-            try:
-                block = placement.reencode(stored_block(buffers[0]), target)
-            except CorruptBlock:
-                self._stats.tier(kind).corrupt_blocks += 1
-                continue
-            by_namespace.setdefault(namespace, []).append(Admission(key, block, meta.parent))
-        written = 0
-        for namespace, admissions in by_namespace.items():
-            keys = frozenset(admission.key for admission in admissions)
-            written += len(placement.admit(target, namespace, admissions, protect=keys) & keys)
-        return written
+        """Copy blocks only a volatile tier holds into the first persistent tier;
+        how many were written (``Maintenance.flush``)."""
+        return self._maintenance.flush(deadline=deadline, batch=batch)
 
     # -- stats and lifecycle ------------------------------------------------
 
@@ -836,9 +727,7 @@ class TieredStore:
 
     def close(self) -> None:
         """Stop the scrubber and close every tier (idempotent)."""
-        self._scrub_stop.set()
-        if self._scrubber is not None:
-            self._scrubber.join()
+        self._maintenance.stop()
         with self._lock:
             if not self._closed:
                 self._closed = True

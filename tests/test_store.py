@@ -452,8 +452,9 @@ def test_background_scrub_runs_and_stops_on_close() -> None:
         time.sleep(0.01)
     assert store.stats().tiers[DRAM].corrupt_blocks == 1
     assert store.lookup(ns, kv.tokens(2)).num_chunks == 0  # the head is gone
+    assert store._maintenance.scrubbing
     store.close()
-    assert store._scrubber is not None and not store._scrubber.is_alive()
+    assert not store._maintenance.scrubbing
 
 
 def test_a_slow_redis_is_a_bounded_miss(redis_server_factory) -> None:
