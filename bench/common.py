@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmarks in ``bench/``: timing, tables, JSON, a private Redis.
+"""Shared helpers for the benchmarks in ``bench/``: options, chunk sizes, timing, tables,
+JSON, server processes, a private Redis.
 
 Every benchmark here follows the same shape::
 
@@ -31,6 +32,7 @@ Conventions:
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import ctypes
@@ -50,6 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import torch
+
+from kvstore.keys import KVLayout
 
 HOST = "127.0.0.1"
 # Ports this module must never use: the shared development Redis lives on 6379.
@@ -155,6 +161,61 @@ def _memory_bytes() -> int | None:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     return None
+
+
+MiB = 1 << 20
+GiB = 1 << 30
+VOCAB = 128_256  # Llama-3's vocabulary, so token ids look like an engine's
+
+
+@dataclass(frozen=True)
+class ChunkSize:
+    """A chunk size and the bfloat16 layout that gives exactly that many bytes."""
+
+    label: str
+    layout: KVLayout
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.chunk_nbytes
+
+
+# Llama-3.1-8B's KV is 128 KiB per token (32 layers, 8 KV heads of 128, bf16):
+# 16 tokens of it are a 2 MiB chunk (vLLM's block), 128 tokens 16 MiB.
+CHUNK_2MIB = ChunkSize(
+    "2MiB", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, chunk_tokens=16)
+)
+CHUNK_16MIB = ChunkSize(
+    "16MiB", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, chunk_tokens=128)
+)
+
+
+def make_chunks(size: ChunkSize, count: int, seed: int) -> list[torch.Tensor]:
+    """``count`` CPU bf16 chunks of random KV (``torch.randn``), reproducible by ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(size.layout.chunk_shape, generator=generator, dtype=torch.bfloat16)
+        for _ in range(count)
+    ]
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
+
+
+def verdict(ratio: float, goal: float | None) -> str | None:
+    """The goal column of a table: ``ok``/``MISS`` against ``goal`` (``None``: no goal)."""
+    if goal is None:
+        return None
+    return f"{'ok' if ratio >= goal else 'MISS'} (>= {goal})"
+
+
+def bench_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes (``--json``, ``--quick``); add your own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--quick", action="store_true", help="smaller batches, fewer reps")
+    return parser
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -334,6 +395,65 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
             proc.wait(timeout=timeout_s)
     _live_servers.discard(proc)
     return proc.returncode
+
+
+def answers_healthz(socket_path: Path) -> bool:
+    """Whether ``GET /healthz`` over the Unix socket answers 200 (raw HTTP, no client)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(1.0)
+            sock.connect(str(socket_path))
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: kvstore\r\nConnection: close\r\n\r\n")
+            return sock.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    """A server subprocess that answers ``/healthz`` on a Unix socket once it is up.
+
+    A context manager: started on entry, stopped (SIGTERM, then SIGKILL) on
+    exit, whatever happened in between.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], socket_path: Path, log_path: Path) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.socket_path = socket_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return int(self.proc.pid)
+
+    def __enter__(self) -> ServerProcess:
+        # The daemon reads KVSTORE_* variables; none of the caller's may leak in.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        self.proc = spawn(self.argv, self.log_path, env=env)
+        deadline = time.monotonic() + 60.0
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited while starting:\n{self.log_tail()}")
+                if answers_healthz(self.socket_path):
+                    return self
+                time.sleep(0.05)
+            raise RuntimeError(f"{self.name} did not answer /healthz:\n{self.log_tail()}")
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *_exc: object) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_process(proc, timeout_s=20.0)
+
+    def log_tail(self, nbytes: int = 4000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
+        return ""
 
 
 # -- a private redis-server --------------------------------------------------

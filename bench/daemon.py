@@ -12,7 +12,8 @@ nothing of kvstore around it, timed interleaved in the same run:
     ----  -------------------------------------  ------------------------------------------
     shm   connect("unix://...", transfer="shm")  np.copyto of the same bytes into
           (gets: lease, copy out of the mapped   preallocated, touched buffers (one thread)
-          arena, verify, release)
+          arena, check, release; also with
+          verify="full": the get_full rows)
     unix  connect("unix://...", transfer=        a bare aiohttp app (its own process) over
           "bytes"): frames over the Unix socket  a Unix socket, fetched by httpx with the
                                                  client's own transport and settings
@@ -42,39 +43,39 @@ lookup would).
     python bench/daemon.py            # table on stdout
     python bench/daemon.py --json     # one JSON object on stdout, table on stderr
     python bench/daemon.py --quick    # smaller batches, fewer repetitions (< 1 min)
+    python bench/daemon.py --paths shm  # a subset of shm,unix,tcp
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
 import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ceilings import RawDRAM  # noqa: E402
 from common import (  # noqa: E402
+    CHUNK_2MIB,
+    CHUNK_16MIB,
     HOST,
+    VOCAB,
     Case,
+    ChunkSize,
+    GiB,
+    MiB,
     Sample,
+    ServerProcess,
+    bench_arguments,
     bench_session,
     emit_json,
     format_table,
@@ -82,39 +83,26 @@ from common import (  # noqa: E402
     gbps,
     log,
     machine_info,
-    spawn,
-    stop_process,
+    make_chunks,
+    size_label,
     temp_dir,
     time_interleaved,
+    verdict,
 )
+from daemon_lookups import (  # noqa: E402
+    CLIENT_TIMEOUT_S,
+    LOOKUP_CLIENTS,
+    LOOKUP_LAYOUT,
+    LOOKUP_TOKENS,
+    measure_lookups,
+)
+from http_ceiling import BareHTTP, ceiling_process  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
-from kvstore.client.transports import transport  # noqa: E402
-from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys  # noqa: E402
+from kvstore.keys import ChunkKey, Namespace, chunk_keys  # noqa: E402
 
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ChunkSize:
-    """A chunk size and the bfloat16 layout that gives exactly that many bytes."""
-
-    label: str
-    layout: KVLayout
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.chunk_nbytes
-
-
-# Llama-3.1-8B's KV (32 layers, 8 KV heads of 128, bf16) is 128 KiB per token:
-# 16 tokens are a 2 MiB chunk (vLLM's block), 128 tokens 16 MiB.
-SIZES = (
-    ChunkSize("2MiB", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, chunk_tokens=16)),
-    ChunkSize("16MiB", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, chunk_tokens=128)),
-)
+SIZES = (CHUNK_2MIB, CHUNK_16MIB)
 assert [size.nbytes for size in SIZES] == [2 * MiB, 16 * MiB]
 
 PATHS = ("shm", "unix", "tcp")
@@ -126,13 +114,6 @@ GOALS = {
 }
 
 DRAM_BYTES = 3 * GiB // 2
-VOCAB = 128_256  # Llama-3's vocabulary, so ids look like an engine's
-# Lookups: a 32K-token prefix of 256-token chunks. The payload size does not
-# matter to a lookup, so the chunks are tiny (8 KiB) and all 128 fit anywhere.
-LOOKUP_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=256)
-LOOKUP_TOKENS = 32_768
-LOOKUP_CLIENTS = 8
-CLIENT_TIMEOUT_S = 60.0  # per I/O phase; generous, a failed call would read as a miss
 PUT_SLICE_BYTES = 1 << 20  # the bare put's body pieces (see the module docstring)
 
 
@@ -196,65 +177,6 @@ class Result:
 # -- processes -------------------------------------------------------------------
 
 
-def _answers_healthz(socket_path: Path) -> bool:
-    """Whether ``GET /healthz`` over the Unix socket answers 200 (raw HTTP, no client)."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(1.0)
-            sock.connect(str(socket_path))
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: kvstore\r\nConnection: close\r\n\r\n")
-            return sock.recv(64).startswith(b"HTTP/1.1 200")
-    except OSError:
-        return False
-
-
-class ServerProcess:
-    """A server subprocess that answers ``/healthz`` on a Unix socket once it is up.
-
-    A context manager: started on entry, stopped (SIGTERM, then SIGKILL) on
-    exit, whatever happened in between.
-    """
-
-    def __init__(self, name: str, argv: Sequence[str], socket_path: Path, log_path: Path) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.socket_path = socket_path
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return int(self.proc.pid)
-
-    def __enter__(self) -> ServerProcess:
-        # The daemon reads KVSTORE_* variables; none of the caller's may leak in.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        self.proc = spawn(self.argv, self.log_path, env=env)
-        deadline = time.monotonic() + 60.0
-        try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited while starting:\n{self.log_tail()}")
-                if _answers_healthz(self.socket_path):
-                    return self
-                time.sleep(0.05)
-            raise RuntimeError(f"{self.name} did not answer /healthz:\n{self.log_tail()}")
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *_exc: object) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            stop_process(proc, timeout_s=20.0)
-
-    def log_tail(self, nbytes: int = 4000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
-        return ""
-
-
 @dataclass(frozen=True)
 class Addresses:
     """Where the daemon listens, and the token its TCP site wants."""
@@ -301,117 +223,6 @@ log_level = "warning"
     argv = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
     addresses = Addresses(f"unix://{socket_path}", f"http://{HOST}:{port}", token, socket_path)
     return ServerProcess("kvstore serve", argv, socket_path, root / "daemon.log"), addresses
-
-
-def ceiling_process(root: Path) -> tuple[ServerProcess, int]:
-    """The bare aiohttp app of ``serve_ceiling`` (this file, ``--serve-ceiling``)."""
-    port = free_port()
-    socket_path = root / "ceiling.sock"
-    argv = [sys.executable, __file__, "--serve-ceiling", str(socket_path), str(port)]
-    return ServerProcess("ceiling server", argv, socket_path, root / "ceiling.log"), port
-
-
-# -- the bare aiohttp ceiling (its own process) -------------------------------------
-
-
-def serve_ceiling(socket_path: str, port: int) -> None:
-    """A minimal aiohttp app on a Unix socket and a TCP port, until SIGTERM/SIGINT.
-
-    ``POST /get?nbytes=N&piece=P`` answers N bytes written P at a time, from
-    distinct random memory (a zero-filled buffer could be served from the one
-    zero page); ``POST /put`` reads its body and discards it.
-    """
-    bodies: dict[int, bytes] = {}
-
-    def body_of(nbytes: int) -> memoryview:
-        if nbytes not in bodies:
-            bodies.clear()  # one size at a time
-            bodies[nbytes] = np.random.default_rng(nbytes).bytes(nbytes)
-        return memoryview(bodies[nbytes])
-
-    async def get(request: web.Request) -> web.StreamResponse:
-        nbytes, piece = int(request.query["nbytes"]), int(request.query["piece"])
-        body = body_of(nbytes)
-        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        response.content_length = nbytes
-        await response.prepare(request)
-        for start in range(0, nbytes, piece):
-            await response.write(body[start : start + piece])
-        await response.write_eof()
-        return response
-
-    async def put(request: web.Request) -> web.Response:
-        received = 0
-        while data := await request.content.readany():
-            received += len(data)
-        return web.json_response({"received": received})
-
-    async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/get", get)
-        app.router.add_post("/put", put)
-        app.router.add_get("/healthz", healthz)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        try:
-            await web.TCPSite(runner, HOST, port).start()
-            await web.UnixSite(runner, socket_path).start()  # last: healthz means all up
-            await stop.wait()
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(main())
-
-
-class BareHTTP:
-    """httpx against the bare app, with the transport and settings ``connect`` gives
-    a ``StoreClient`` (same pool, timeout, and bearer header over TCP)."""
-
-    def __init__(self, uds: str | None, base_url: str, token: str | None) -> None:
-        self._http = httpx.Client(
-            base_url=base_url,
-            transport=transport(uds, 64),
-            timeout=httpx.Timeout(CLIENT_TIMEOUT_S),
-            headers={"Authorization": f"Bearer {token}"} if token else None,
-        )
-
-    def get(self, nbytes: int, piece: int) -> int:
-        """Fetch an ``nbytes`` body and throw it away; how many bytes came."""
-        request = self._http.build_request(
-            "POST", "/get", params={"nbytes": nbytes, "piece": piece}
-        )
-        response = self._http.send(request, stream=True)
-        received = 0
-        try:
-            for data in response.iter_bytes():
-                received += len(data)
-        finally:
-            response.close()
-        if response.status_code != 200 or received != nbytes:
-            raise RuntimeError(f"bare get: HTTP {response.status_code}, {received} bytes")
-        return received
-
-    def put(self, pieces: Sequence[memoryview]) -> None:
-        """Send ``pieces`` as one body, piece by piece (not joined), with a length."""
-        length = sum(piece.nbytes for piece in pieces)
-        content: Any = iter(pieces)  # bytes-like views; httpx's hint says bytes
-        response = self._http.post(
-            "/put",
-            content=content,
-            headers={"Content-Type": "application/octet-stream", "Content-Length": str(length)},
-        )
-        if response.status_code != 200 or response.json()["received"] != length:
-            raise RuntimeError(f"bare put: HTTP {response.status_code} {response.text[:200]}")
-
-    def close(self) -> None:
-        self._http.close()
 
 
 # -- measurement -----------------------------------------------------------------
@@ -461,8 +272,10 @@ def check_chunks(path: str, got: list[Any], payloads: list[np.ndarray], full: bo
                 raise RuntimeError(f"{path}: chunk {index} did not round-trip")
 
 
-def measure_size(clients: Clients, size: ChunkSize, settings: Settings, seed: int) -> list[Result]:
-    """Gets (plain and into buffers) and puts of one chunk size, over every path."""
+def measure_size(
+    clients: Clients, paths: list[str], size: ChunkSize, settings: Settings, seed: int
+) -> list[Result]:
+    """Gets (plain and into buffers) and puts of one chunk size, over ``paths``."""
     count = settings.batch_chunks(size)
     chunks = make_chunks(size, count, seed)
     payloads = [chunk.view(torch.uint8).reshape(-1).numpy() for chunk in chunks]
@@ -484,43 +297,43 @@ def measure_size(clients: Clients, size: ChunkSize, settings: Settings, seed: in
     if unix.put(namespace, keys, chunks) != count:
         raise RuntimeError(f"put of {count} chunks did not store them all")
     outs = [torch.zeros_like(chunk) for chunk in chunks]
-    for path in PATHS:
-        client = clients.store[path]
+    for path, client in clients.store.items():
         check_chunks(path, client.get(namespace, keys), payloads, full=True)
         check_chunks(path, client.get(namespace, keys, out=outs), payloads, full=True)
 
-    for path in PATHS:
-        client = clients.store[path]
+    for path in paths:
         log(f"  {path:4} {size.label:>5} x {count}: get ...")
-
-        def get(rep: Rep, client: StoreClient = client) -> None:
-            rep.result = client.get(namespace, keys)
-
-        def get_into(rep: Rep, client: StoreClient = client) -> None:
-            rep.result = client.get(namespace, keys, out=outs)
 
         def checked(rep: Rep, path: str = path) -> None:
             check_chunks(path, rep.result, payloads, full=False)
 
-        if path == "shm":
-            ceiling = Case(run=lambda: clients.memcpy.get([]))
+        def cases(op: str, client: StoreClient) -> dict[str, Case]:
+            """``get`` and ``get_into`` of ``client``, as ``op`` and ``op``_into."""
+
+            def get(rep: Rep) -> None:
+                rep.result = client.get(namespace, keys)
+
+            def get_into(rep: Rep) -> None:
+                rep.result = client.get(namespace, keys, out=outs)
+
+            return {
+                op: Case(run=get, before=Rep, after=checked),
+                op.replace("get", "get_into"): Case(run=get_into, before=Rep, after=checked),
+            }
+
+        timed = cases("get", clients.store[path])
+        if path == "shm":  # the same path, every copy checksummed (verify="full")
+            timed |= cases("get_full", clients.store["shm-full"])
+            timed["ceiling"] = Case(run=lambda: clients.memcpy.get([]))
         else:
             bare = clients.bare[path]
-            ceiling = Case(run=lambda bare=bare: bare.get(batch_bytes, size.nbytes))
-        samples = time_interleaved(
-            {
-                "get": Case(run=get, before=Rep, after=checked),
-                "get_into": Case(run=get_into, before=Rep, after=checked),
-                "ceiling": ceiling,
-            },
-            settings.reps,
-            warmup=settings.warmup,
-        )
-        for op in ("get", "get_into"):
+            timed["ceiling"] = Case(run=lambda bare=bare: bare.get(batch_bytes, size.nbytes))
+        samples = time_interleaved(timed, settings.reps, warmup=settings.warmup)
+        for op in [op for op in timed if op != "ceiling"]:
             results.append(Result(path, op, size.nbytes, count, samples[op], samples["ceiling"]))
     unix.delete(namespace, keys)
 
-    for path in PATHS[1:]:
+    for path in [path for path in paths if path != "shm"]:
         client = clients.store[path]
         bare = clients.bare[path]
         log(f"  {path:4} {size.label:>5} x {count}: put ...")
@@ -552,118 +365,12 @@ def measure_size(clients: Clients, size: ChunkSize, settings: Settings, seed: in
     return results
 
 
-def make_chunks(size: ChunkSize, count: int, seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(size.layout.chunk_shape, generator=generator, dtype=torch.bfloat16)
-        for _ in range(count)
-    ]
-
-
-@dataclass
-class LookupResult:
-    lookups: int
-    seconds: float
-    latencies_s: list[float]
-    client_cpu_s: float
-    daemon_cpu_s: float
-
-    @property
-    def per_s(self) -> float:
-        return self.lookups / self.seconds
-
-    def percentile_ms(self, q: float) -> float:
-        ordered = sorted(self.latencies_s)
-        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def measure_lookups(url: str, daemon_pid: int, seconds: float) -> LookupResult:
-    """``LOOKUP_CLIENTS`` threads, each with its own ``StoreClient``, looking up the
-    same cached 32K-token prefix (token ids: the client hashes them) for ``seconds``."""
-    namespace = Namespace("bench-daemon-lookup", LOOKUP_LAYOUT)
-    tokens = np.random.default_rng(99).integers(0, VOCAB, size=LOOKUP_TOKENS, dtype=np.int64)
-    want = LOOKUP_TOKENS // LOOKUP_LAYOUT.chunk_tokens
-    chunks = torch.randn((want, *LOOKUP_LAYOUT.chunk_shape), dtype=torch.bfloat16)
-    clients: list[StoreClient] = []
-    threads: list[threading.Thread] = []
-    stop = threading.Event()
-    barrier = threading.Barrier(LOOKUP_CLIENTS + 1)
-    try:
-        for _ in range(LOOKUP_CLIENTS):
-            client = kvstore.connect(url, transfer="bytes", timeout_s=CLIENT_TIMEOUT_S)
-            assert isinstance(client, StoreClient)
-            clients.append(client)
-        if clients[0].put(namespace, tokens, list(chunks)) != want:
-            raise RuntimeError("lookup prefix: not every chunk was stored")
-        for client in clients:  # registers the namespace, opens the connection
-            if client.lookup(namespace, tokens).num_chunks != want:
-                raise RuntimeError("lookup prefix: not every chunk is cached")
-        latencies: list[list[float]] = [[] for _ in clients]
-        failures: list[str] = []
-
-        def loop(client: StoreClient, mine: list[float]) -> None:
-            try:
-                barrier.wait()
-            except threading.BrokenBarrierError:  # the main thread gave up
-                return
-            while not stop.is_set():
-                start = time.perf_counter()
-                found = client.lookup(namespace, tokens).num_chunks
-                mine.append(time.perf_counter() - start)
-                if found != want:
-                    failures.append(f"a lookup found {found} of {want} chunks")
-                    return
-
-        threads = [
-            threading.Thread(target=loop, args=(client, mine), daemon=True)
-            for client, mine in zip(clients, latencies, strict=True)
-        ]
-        for thread in threads:
-            thread.start()
-        barrier.wait(timeout=60.0)
-        cpu0, daemon0, start = time.process_time(), _cpu_seconds(daemon_pid), time.perf_counter()
-        time.sleep(seconds)
-        stop.set()
-        for thread in threads:
-            thread.join()
-        elapsed = time.perf_counter() - start
-        cpu = time.process_time() - cpu0
-        daemon_cpu = _cpu_seconds(daemon_pid) - daemon0
-        if failures:
-            raise RuntimeError(failures[0])
-        if any(client.client_stats().lookups_failed for client in clients):
-            raise RuntimeError("a lookup failed (degraded to 'nothing cached')")
-        everything = [value for mine in latencies for value in mine]
-        clients[0].delete(namespace, chunk_keys(namespace, tokens))
-        return LookupResult(len(everything), elapsed, everything, cpu, daemon_cpu)
-    finally:
-        stop.set()  # also on Ctrl-C: no thread may be mid-call when its client closes
-        barrier.abort()
-        for thread in threads:
-            thread.join(timeout=CLIENT_TIMEOUT_S)
-        for client in clients:
-            client.close()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # -- output ----------------------------------------------------------------------
-
-
-def size_label(nbytes: int) -> str:
-    return f"{nbytes // MiB} MiB"
 
 
 def table(results: list[Result]) -> str:
     rows = []
     for r in results:
-        verdict = None
-        if r.goal is not None:
-            verdict = f"{'ok' if r.ratio >= r.goal else 'MISS'} (>= {r.goal})"
         rows.append(
             [
                 r.path,
@@ -674,7 +381,7 @@ def table(results: list[Result]) -> str:
                 f"{r.ceiling_gbps:.2f}",
                 f"{r.ratio:.3f}",
                 f"{r.store.spread:.0%}/{r.ceiling.spread:.0%}",
-                verdict,
+                verdict(r.ratio, r.goal),
             ]
         )
     return format_table(
@@ -689,7 +396,10 @@ NOTES = [
     "Daemon: python -m kvstore serve, DRAM 1.5 GiB + LMDB (every chunk is served from DRAM), "
     "its own process; client, daemon and bare app share the machine's CPUs.",
     "shm ceiling: np.copyto into preallocated, touched buffers, one thread (the same for get "
-    "and get_into); the client also checksums what it copies and pays a lease round trip.",
+    "and get_into); the client pays a lease round trip, copies with a helper thread from 4 MiB "
+    "up, and checks each copy by its extent's generation (verify='fast', the default on "
+    "x86-64); get_full/get_into_full: the same path with every copy checksummed "
+    "(verify='full'), no goal of their own.",
     "unix/tcp ceiling: a bare aiohttp app in its own process answering a same-size body in "
     "chunk-sized writes (get), or reading and discarding one (put); httpx with the client's "
     "transport (kvstore.client.transports: sendall writes, larger reads), pool and timeout; "
@@ -701,16 +411,10 @@ NOTES = [
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    parser.add_argument("--quick", action="store_true", help="smaller batches, fewer reps")
-    parser.add_argument(
-        "--serve-ceiling", nargs=2, metavar=("SOCKET", "PORT"), help=argparse.SUPPRESS
-    )
+    parser = bench_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset")
     args = parser.parse_args(argv)
-    if args.serve_ceiling:
-        serve_ceiling(args.serve_ceiling[0], int(args.serve_ceiling[1]))
-        return
+    paths = [path for path in PATHS if path in args.paths.split(",")]
     settings = QUICK if args.quick else FULL
     out: Callable[..., None] = log if args.json else print
     started = time.perf_counter()
@@ -733,13 +437,14 @@ def main(argv: list[str] | None = None) -> None:
             return client
 
         def bare(uds: str | None, base_url: str, token: str | None) -> BareHTTP:
-            client = BareHTTP(uds, base_url, token)
+            client = BareHTTP(uds, base_url, token, CLIENT_TIMEOUT_S)
             stack.callback(client.close)
             return client
 
         clients = Clients(
             store={
                 "shm": connect(addresses.unix_url, transfer="shm"),
+                "shm-full": connect(addresses.unix_url, transfer="shm", verify="full"),
                 "unix": connect(addresses.unix_url, transfer="bytes"),
                 "tcp": connect(addresses.tcp_url, token=addresses.token, transfer="bytes"),
             },
@@ -750,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
             memcpy=RawDRAM(),
         )
         for index, size in enumerate(SIZES):
-            results.extend(measure_size(clients, size, settings, seed=index))
+            results.extend(measure_size(clients, paths, size, settings, seed=index))
         for path, client in clients.store.items():
             degraded = client.client_stats()
             if degraded.gets_failed or degraded.puts_dropped or degraded.corrupt_blocks:

@@ -28,6 +28,7 @@ What degrades and what raises is drawn in ``kvstore.client.failures``.
 """
 
 from kvstore.client.aio import AsyncStoreClient
+from kvstore.client.blocks import Verify
 from kvstore.client.connect import AsyncKVClient, KVClient, Transfer, connect, connect_async
 from kvstore.client.embedded import AsyncEmbeddedClient, EmbeddedClient
 from kvstore.client.stats import ClientStats
@@ -44,6 +45,7 @@ __all__ = [
     "StoreClient",
     "Transfer",
     "Trigger",
+    "Verify",
     "connect",
     "connect_async",
 ]

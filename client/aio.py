@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
+from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.failures import from_reply, from_transport
 from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
 from kvstore.client.stats import ClientStats
@@ -51,6 +52,7 @@ class AsyncStoreClient:
         timeout_s: float = 2.0,
         shm: bool = False,
         backoff_s: float = 1.0,
+        verify: Verify | str = DEFAULT_VERIFY,
     ) -> None:
         self._http = httpx.AsyncClient(
             base_url=base_url,
@@ -58,7 +60,7 @@ class AsyncStoreClient:
             timeout=httpx.Timeout(timeout_s),
             headers={"Authorization": f"Bearer {token}"} if token else None,
         )
-        self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s)
+        self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s, verify=verify)
         # Calls nothing waits for (``Call.wait``): tasks, at most MAX_DETACHED_CALLS
         # at once; close() waits for them.
         self._detached: set[asyncio.Task[None]] = set()

@@ -14,13 +14,39 @@ from there, if given):
 
 * ``FramesSink`` takes a ``"bytes"`` get's frames body as it streams in
   (``kvstore.wire.FrameDecoder`` in its one-copy mode, so no body is ever
-  buffered), then verifies each block once it is complete.
+  buffered), then verifies each block once it is complete: on a worker
+  thread when it is given one, so block ``i`` is checksummed while block
+  ``i+1`` is read off the socket (xxhash releases the GIL), as
+  ``kvstore.reader`` overlaps LMDB reads; ``finish`` waits for the last.
 * ``copy_leased`` copies the blocks a ``"shm"`` lease points at out of the
-  read-only mapping (``client.shm``), checksumming each step of the copy as
-  it goes (``kvstore.block.copy_verified``), so a block changed in shared
-  memory during the copy is caught, not served. A large batch is split with
-  a helper thread: copy and checksum release the GIL, and with a core to
-  spare two threads moved 1.3-1.4x the bytes of one.
+  read-only mapping (``client.shm``), checked as ``Verify`` says. A large
+  batch is split with a helper thread: copy and checksum release the GIL,
+  and with a core to spare two threads moved 1.3-1.4x the bytes of one.
+
+How a shared-memory copy is checked (``Verify``)::
+
+    FULL  header + payload checksummed as they are copied (copy_verified):
+          the copy is what the daemon verified when it was put, whatever
+          happened in shared memory; costs an xxh3 pass over every byte
+    FAST  header parsed; payload copied (copy_unverified); then the extent's
+          generation must still be the one the lease reported, else the
+          copy is checksummed after all (FULL, on the copy)
+
+Why FAST still never serves a wrong block: the hazards of this path are the
+extent being freed and rewritten while the client reads it (a lease that
+expired, a delete that ignores pins, a daemon bug). The daemon verified the
+block's checksum when it was put (the DRAM tier holds only verified blocks),
+and bumps the extent's generation whenever it frees the extent, before the
+extent can be handed out again (``kvstore.tiers.arena_tier``). The lease
+carries the generation read together with the extent. If the counter still
+reads the same after the copy, the extent was not freed since the lease was
+granted, so no byte of it was rewritten: the header and payload copied are
+the verified block (counters only grow: no ABA). This needs the copy's loads
+to be ordered before the counter's load, which x86-64 guarantees; elsewhere
+the default is FULL. What FAST does not catch is memory that rots in DRAM
+after the put: the daemon's background scrub re-checks the DRAM tier's
+checksums for that, as for the embedded store, whose DRAM reads are not
+re-checksummed either.
 
 With ``out`` buffers the returned ``KVChunk`` is a view of the caller's
 buffer, as with ``TieredStore.get(out=)``; a missed block leaves its buffer
@@ -29,8 +55,11 @@ with unspecified contents.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Executor
+import contextlib
+import enum
+import platform
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -42,6 +71,7 @@ from kvstore.block import (
     BlockHeader,
     Codec,
     check_identity,
+    copy_unverified,
     copy_verified,
     parse_header,
     verify_parts,
@@ -63,6 +93,17 @@ Destinations = Sequence[np.ndarray] | None
 PARALLEL_COPY_BYTES = 4 << 20
 
 _TIERS = {kind.label: kind for kind in TierKind}
+
+
+class Verify(enum.Enum):
+    """How a shared-memory get checks what it copied; see the module docstring."""
+
+    FAST = "fast"
+    FULL = "full"
+
+
+# FAST relies on x86-64's load ordering (the module docstring).
+DEFAULT_VERIFY = Verify.FAST if platform.machine().lower() in {"x86_64", "amd64"} else Verify.FULL
 
 
 @dataclass
@@ -120,11 +161,14 @@ class FramesSink:
         keys: Sequence[ChunkKey],
         out: Destinations,
         buffers: BufferPool,
+        verifier: Executor | None = None,
     ) -> None:
         self.namespace = namespace
         self.keys = keys
         self.out = out
         self.received = Received([None] * len(keys))
+        self._verifier = verifier
+        self._verifying: list[Future[None]] = []
         self._tiers: list[Any] = []
         self._placement = _Placement(out, buffers)
         # The daemon answers exactly the keys asked for; a block can be at most a
@@ -152,26 +196,59 @@ class FramesSink:
             if self.out is not None and index not in self._placement.placed:
                 destination = self.out[index]
             tier = tier_of(self._tiers[index])
-            try:
-                header = verify_parts(block.header, block.data)
-                chunk = chunk_of(
-                    header,
-                    memoryview(block.data),
-                    self.namespace,
-                    self.keys[index],
-                    tier,
-                    destination,
+            if self._verifier is None:
+                self._verify(index, block.header, block.data, tier, destination)
+            else:
+                self._verifying.append(
+                    self._verifier.submit(
+                        self._verify, index, block.header, block.data, tier, destination
+                    )
                 )
-            except (CorruptBlock, LayoutMismatch):
-                self.received.corrupt += 1
-                continue
-            self.received.chunks[index] = chunk
 
     def finish(self) -> None:
+        """Check the body ended where it should, and wait for every verification."""
         try:
             self._decoder.finish()
         except WireError as error:
             raise unavailable(f"malformed frames response: {error}") from None
+        finally:
+            self._wait()
+
+    def settle(self) -> None:
+        """After a failed exchange: drop the verifications not started and wait for
+        the running one, so nothing writes to the caller's buffers once the get
+        has returned."""
+        verifying, self._verifying = self._verifying, []
+        for future in verifying:
+            future.cancel()
+        for future in verifying:
+            with contextlib.suppress(CancelledError):
+                future.result()
+
+    def _wait(self) -> None:
+        verifying, self._verifying = self._verifying, []
+        for future in verifying:
+            future.result()
+
+    def _verify(
+        self,
+        index: int,
+        header_bytes: bytes,
+        payload: bytes | memoryview,
+        tier: TierKind,
+        destination: np.ndarray | None,
+    ) -> None:
+        """Verify block ``index`` and record its chunk, or count it corrupt. One
+        thread at a time per sink: the caller's, or the one worker's."""
+        try:
+            header = verify_parts(header_bytes, payload)
+            chunk = chunk_of(
+                header, memoryview(payload), self.namespace, self.keys[index], tier, destination
+            )
+        except (CorruptBlock, LayoutMismatch):
+            self.received.corrupt += 1
+            return
+        self.received.chunks[index] = chunk
 
 
 @dataclass
@@ -203,6 +280,10 @@ class LeasedBlock:
     length: int | None
     tier: TierKind | None
     inline: bool
+    # The extent's generation when leased, and where its counter lies in the
+    # arena (``None``: a daemon that does not say; the copy is then checksummed).
+    generation: int | None = None
+    generation_at: int | None = None
 
     @classmethod
     def parse(cls, entry: Any) -> LeasedBlock:
@@ -211,7 +292,15 @@ class LeasedBlock:
                 return cls(None, None, None, False)
             if entry.get("inline"):
                 return cls(None, None, None, True)
-            return cls(int(entry["offset"]), int(entry["length"]), tier_of(entry["tier"]), False)
+            generation, at = entry.get("generation"), entry.get("generation_at")
+            return cls(
+                int(entry["offset"]),
+                int(entry["length"]),
+                tier_of(entry["tier"]),
+                False,
+                None if generation is None else int(generation),
+                None if at is None else int(at),
+            )
         except (AttributeError, KeyError, TypeError, ValueError):
             raise unavailable(f"malformed lease entry {entry!r}") from None
 
@@ -224,8 +313,9 @@ def copy_leased(
     out: Destinations,
     buffers: BufferPool,
     helper: Executor | None = None,
+    verify: Verify = Verify.FULL,
 ) -> Received:
-    """Copy and verify every leased block; note which ones to fetch inline.
+    """Copy and check (``verify``) every leased block; note which ones to fetch inline.
 
     With a ``helper`` and ``PARALLEL_COPY_BYTES`` or more to copy, the helper's
     thread copies the second half of the blocks (by bytes) while this thread
@@ -249,10 +339,11 @@ def copy_leased(
             entry = entries[index]
             assert entry.offset is not None and entry.length is not None and entry.tier is not None
             destination = out[index] if out is not None else None
+            unchanged = _unchanged(arena, entry) if verify is Verify.FAST else None
             try:
                 with arena.block(entry.offset, entry.length) as view:
                     received.chunks[index] = _copy_one(
-                        view, namespace, keys[index], entry.tier, destination, buffers
+                        view, namespace, keys[index], entry.tier, destination, buffers, unchanged
                     )
             except (CorruptBlock, LayoutMismatch):
                 corrupt += 1
@@ -278,6 +369,15 @@ def copy_leased(
     return received
 
 
+def _unchanged(arena: SharedArena, entry: LeasedBlock) -> Callable[[], bool] | None:
+    """For ``Verify.FAST``: whether the entry's extent still has the generation it
+    was leased at (``None`` if the daemon did not say: checksum instead)."""
+    generation, at = entry.generation, entry.generation_at
+    if generation is None or at is None:
+        return None
+    return lambda: arena.generation(at) == generation
+
+
 def _copy_one(
     view: memoryview,
     namespace: Namespace,
@@ -285,8 +385,11 @@ def _copy_one(
     tier: TierKind,
     destination: np.ndarray | None,
     buffers: BufferPool,
+    unchanged: Callable[[], bool] | None = None,
 ) -> KVChunk:
-    """Copy one block out of shared memory, checksumming the copy as it goes.
+    """Copy one block out of shared memory, checked as the module docstring says:
+    checksummed as it is copied, or (``unchanged`` given) copied, then proven
+    unchanged by its extent's generation, or else checksummed after all.
 
     The header is copied aside. A raw payload bound for a caller's buffer is
     copied straight into it: one copy of the KV, as with the embedded store's
@@ -297,7 +400,12 @@ def _copy_one(
     size = view.nbytes - HEADER_BYTES
     if destination is not None and _fits(header_bytes, size, destination):
         target, destination = destination.data, None
-    else:  # a block shorter than its header fails in copy_verified
+    else:  # a block shorter than its header fails in copy_verified / copy_unverified
         target = buffers.take(max(size, 0))
-    header = copy_verified(header_bytes, view[HEADER_BYTES:], target)
+    if unchanged is None:
+        header = copy_verified(header_bytes, view[HEADER_BYTES:], target)
+    else:
+        header = copy_unverified(header_bytes, view[HEADER_BYTES:], target)
+        if not unchanged():  # freed since the lease: check what was copied
+            header = verify_parts(header_bytes, target)
     return chunk_of(header, target, namespace, key, tier, destination)

@@ -7,6 +7,7 @@ import enum
 from kvstore.aio import AsyncTieredStore
 from kvstore.client.address import Address, Scheme, bearer_token
 from kvstore.client.aio import AsyncStoreClient
+from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.embedded import AsyncEmbeddedClient, EmbeddedClient
 from kvstore.client.sync import StoreClient
 from kvstore.client.transports import async_transport, transport
@@ -40,6 +41,7 @@ def connect(
     transfer: Transfer | str = Transfer.AUTO,
     backoff_s: float = 1.0,
     max_connections: int = 64,
+    verify: Verify | str = DEFAULT_VERIFY,
 ) -> KVClient:
     """A blocking client of the store at ``url`` (see ``client.address`` for the forms).
 
@@ -47,7 +49,9 @@ def connect(
     daemon is down. ``token`` (default ``$KVSTORE_AUTH_TOKEN``) is sent over
     TCP only. ``timeout_s`` bounds each I/O phase (pool, connect, write,
     read); ``backoff_s`` is how long calls degrade without trying after the
-    daemon failed one. ``embedded://`` ignores every option but the URL.
+    daemon failed one. ``verify`` (``"fast"`` or ``"full"``) is how blocks copied out
+    of shared memory are checked (``client.blocks.Verify``). ``embedded://``
+    ignores every option but the URL.
     """
     address = Address.parse(url)
     if address.scheme is Scheme.EMBEDDED:
@@ -59,6 +63,7 @@ def connect(
         timeout_s=timeout_s,
         shm=_uses_shm(address, transfer),
         backoff_s=backoff_s,
+        verify=verify,
     )
 
 
@@ -70,6 +75,7 @@ def connect_async(
     transfer: Transfer | str = Transfer.AUTO,
     backoff_s: float = 1.0,
     max_connections: int = 64,
+    verify: Verify | str = DEFAULT_VERIFY,
 ) -> AsyncKVClient:
     """The asyncio client of ``connect`` (same options); ``await client.close()``."""
     address = Address.parse(url)
@@ -82,6 +88,7 @@ def connect_async(
         timeout_s=timeout_s,
         shm=_uses_shm(address, transfer),
         backoff_s=backoff_s,
+        verify=verify,
     )
 
 

@@ -26,8 +26,12 @@ client. The namespace set, the shared-memory mapping and the back-off
 deadline are each replaced by single assignments, without a lock: the worst
 a race can do is register a namespace twice or map a segment twice, both
 harmless. The counters are updated under ``_lock``. Shared-memory copies of
-large batches use one helper thread (``blocks.copy_leased``): memory
-bandwidth, not I/O, so it lives here rather than in a shell.
+large batches use one helper thread (``blocks.copy_leased``), and blocks
+received as bytes are verified on another while the next ones arrive
+(``blocks.FramesSink``): memory bandwidth, not I/O, so they live here rather
+than in a shell. A bytes get that fails waits for its verification in
+flight before it returns (``FramesSink.settle``), so nothing writes to the
+caller's buffers afterwards.
 """
 
 from __future__ import annotations
@@ -46,12 +50,26 @@ import numpy as np
 
 from kvstore.block import encode_block
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
-from kvstore.client.blocks import FramesSink, LeasedBlock, Received, copy_leased, tier_of
+from kvstore.client.blocks import (
+    DEFAULT_VERIFY,
+    FramesSink,
+    LeasedBlock,
+    Received,
+    Verify,
+    copy_leased,
+    tier_of,
+)
 from kvstore.client.buffers import BufferPool
 from kvstore.client.failures import from_reply, unavailable
 from kvstore.client.shm import SharedArena
 from kvstore.client.stats import ClientStats
-from kvstore.errors import KVStoreError, LayoutMismatch, TierUnavailable, UnknownNamespace
+from kvstore.errors import (
+    ConfigError,
+    KVStoreError,
+    LayoutMismatch,
+    TierUnavailable,
+    UnknownNamespace,
+)
 from kvstore.events import SessionEvent
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.stats import StoreStats, TierCounters
@@ -122,18 +140,28 @@ class ClientProtocol:
     It turns off for good if the daemon has no arena or it cannot be mapped.
     ``backoff_s``: after a failed exchange, calls degrade at once (no I/O)
     for this long, so a hung daemon costs the engine one timeout, not one
-    per call.
+    per call. ``verify``: how a shared-memory copy is checked
+    (``client.blocks.Verify``; blocks that travel as bytes are always
+    checksummed).
     """
 
-    def __init__(self, *, shm: bool, backoff_s: float) -> None:
+    def __init__(
+        self, *, shm: bool, backoff_s: float, verify: Verify | str = DEFAULT_VERIFY
+    ) -> None:
         self.shm = shm
         self.backoff_s = backoff_s
+        try:
+            self.verify = Verify(verify)
+        except ValueError:
+            raise ConfigError(f"verify must be 'fast' or 'full', not {verify!r}") from None
         self._lock = threading.Lock()
         self._stats = ClientStats()
         self._registered: frozenset[bytes] = frozenset()
         self._arena: SharedArena | None = None
         self._down_until = 0.0
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
+        # One worker, so each get's blocks are verified in order, one at a time.
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-verify")
         self._buffers = BufferPool(BUFFER_POOL_BYTES)
 
     def client_stats(self) -> ClientStats:
@@ -142,6 +170,7 @@ class ClientProtocol:
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
+        self._verifier.shutdown(wait=True)
         arena, self._arena = self._arena, None
         if arena is not None:
             arena.close()
@@ -158,13 +187,14 @@ class ClientProtocol:
             body = yield from self._namespaced(namespace, lambda: _post("/lookup", request))
             run = _field(body, "num_chunks", int)
             tiers = tuple(tier_of(label) for label in _field(body, "tiers", list))
-            if not 0 <= run <= len(keys) or len(tiers) != run:
+            load = body.get("load_chunks")  # None: all of them (and from older daemons)
+            if not 0 <= run <= len(keys) or len(tiers) != run or not _load_ok(load, run):
                 raise unavailable(f"malformed lookup answer {body!r}")
         except TierUnavailable:
             with self._lock:
                 self._stats.lookups_failed += 1
             return nothing
-        return CachedPrefix(namespace.chunk_tokens, tuple(keys[:run]), tiers, len(keys))
+        return CachedPrefix(namespace.chunk_tokens, tuple(keys[:run]), tiers, len(keys), load)
 
     def put(
         self,
@@ -240,9 +270,13 @@ class ClientProtocol:
     def _get_bytes(
         self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
     ) -> Operation[Received]:
-        sink = FramesSink(namespace, keys, out, self._buffers)
+        sink = FramesSink(namespace, keys, out, self._buffers, self._verifier)
         request = _get_request(namespace, keys, "bytes")
-        yield from self._namespaced(namespace, lambda: _post("/get", request, sink=sink))
+        try:
+            yield from self._namespaced(namespace, lambda: _post("/get", request, sink=sink))
+        except BaseException:
+            sink.settle()
+            raise
         return sink.received
 
     def _get_shared(
@@ -286,7 +320,9 @@ class ClientProtocol:
         if arena is None or arena.name != name:  # the daemon restarted: a new segment
             arena = self._open_arena(name)
         entries = [LeasedBlock.parse(entry) for entry in _field(lease, "blocks", list)]
-        return copy_leased(arena, namespace, keys, entries, out, self._buffers, self._copier)
+        return copy_leased(
+            arena, namespace, keys, entries, out, self._buffers, self._copier, self.verify
+        )
 
     def _map_arena(self) -> Operation[None]:
         reply = yield from self._exchange(Call("GET", f"{API_PREFIX}/shm"))
@@ -439,6 +475,13 @@ def _field(body: Any, name: str, kind: type[T]) -> T:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise unavailable(f"malformed response: no {kind.__name__} {name!r} in {body!r:.200}")
     return value
+
+
+def _load_ok(load: Any, run: int) -> bool:
+    """A lookup's ``load_chunks``: absent (load them all) or a count up to the run."""
+    return load is None or (
+        isinstance(load, int) and not isinstance(load, bool) and 0 <= load <= run
+    )
 
 
 def store_stats(data: dict[str, Any]) -> StoreStats:

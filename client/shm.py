@@ -16,12 +16,15 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import struct
 
 from kvstore.errors import CorruptBlock
 
 SHM_DIR = "/dev/shm"
 # What SharedMemory names look like; nothing that could leave SHM_DIR.
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}")
+# An extent generation: a u64 in the daemon's (this host's) byte order.
+_GENERATION = struct.Struct("=Q")
 
 
 class SharedArena:
@@ -50,6 +53,17 @@ class SharedArena:
                 f"block [{offset}, +{length}) lies outside the {self.size}-byte arena"
             )
         return memoryview(self._map)[offset : offset + length]
+
+    def generation(self, at: int) -> int:
+        """The extent generation counter at byte ``at`` (``kvstore.tiers.dram``).
+
+        One aligned 8-byte load, so it is never torn on x86-64; read after a
+        copy, it is ordered after the copy's loads there (loads are not
+        reordered with other loads), which is what ``client.blocks`` relies on.
+        """
+        if at < 0 or at % _GENERATION.size or at + _GENERATION.size > self.size:
+            raise CorruptBlock(f"generation at {at} lies outside the {self.size}-byte arena")
+        return int(_GENERATION.unpack_from(self._map, at)[0])
 
     def close(self) -> None:
         self._map.close()

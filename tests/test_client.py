@@ -58,6 +58,8 @@ def daemon_target(daemon: Daemon, transport: str, **options: Any) -> Target:
     if transport == "tcp":
         assert daemon.tcp_url is not None
         return Target(daemon.tcp_url, {"token": daemon.token, **options}, daemon)
+    if transport == "unix-shm-full":  # shared memory, every copy checksummed
+        return Target(daemon.url, {"transfer": "shm", "verify": "full", **options}, daemon)
     return Target(daemon.url, {"transfer": transport.removeprefix("unix-"), **options}, daemon)
 
 
@@ -218,7 +220,7 @@ def test_caller_mistakes_raise(flavour: str, target: Target, ns: Namespace) -> N
 BIG_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, chunk_tokens=192)
 
 
-@pytest.mark.parametrize("transport", DAEMON_TRANSPORTS)
+@pytest.mark.parametrize("transport", (*DAEMON_TRANSPORTS, "unix-shm-full"))
 def test_multi_mib_chunks_round_trip_bit_for_bit(
     flavour: str, transport: str, daemon: Daemon, request: pytest.FixtureRequest
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
@@ -417,3 +418,39 @@ def test_dram_arena_is_pinned_on_cuda_hosts() -> None:
     finally:
         tier.close()
     assert tier.arena.pinned is False
+
+
+# --- extent generations (the shared-memory readers' seqlock) ----------------------------
+
+
+def test_freeing_an_extent_bumps_its_generation_in_shared_memory() -> None:
+    """Delete and replace both free an extent: its counter, which clients read in the
+    segment at ``generation_offset``, grows before the extent can be reused."""
+    tier = DRAMTier(4 * SLOT)
+    try:
+        mapped = shared_memory.SharedMemory(name=tier.arena.name)
+        try:
+
+            def counter_of(offset: int) -> int:
+                at = tier.generation_offset(offset)
+                assert at % 8 == 0 and 4 * SLOT <= at < 4 * SLOT + 32
+                return int.from_bytes(bytes(mapped.buf[at : at + 8]), sys.byteorder)
+
+            tier.put_many(NS.digest, [(KEYS[0], make_block(KEYS[0], seed=0))])
+            first = tier.extent_of(NS.digest, KEYS[0])
+            assert first is not None and first.generation == counter_of(first.offset) == 0
+            tier.put_many(NS.digest, [(KEYS[0], make_block(KEYS[0], seed=1))])  # replaced
+            assert counter_of(first.offset) == 1
+            second = tier.extent_of(NS.digest, KEYS[0])
+            assert second is not None and second.generation == counter_of(second.offset)
+            tier.delete_many(NS.digest, [KEYS[0]])
+            assert counter_of(second.offset) == second.generation + 1
+            tier.put_many(NS.digest, [(KEYS[1], make_block(KEYS[1], seed=2))])
+            third = tier.extent_of(NS.digest, KEYS[1])
+            assert third is not None and third.offset in (first.offset, second.offset)
+            assert third.generation == counter_of(third.offset) >= 1
+            assert tier.capacity_bytes() == 4 * SLOT  # the counters are not arena space
+        finally:
+            mapped.close()
+    finally:
+        tier.close()

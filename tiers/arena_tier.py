@@ -13,6 +13,16 @@ written.
 Reads copy out while holding the tier lock, so an extent cannot be freed and
 reused under a reader. Memory copies are bandwidth bound, so serialising them
 costs little, and it keeps the invariant trivially true.
+
+Readers in other processes (the daemon's shared-memory clients) cannot take
+that lock, so a tier may also keep *extent generations*: one u64 counter per
+page of the arena, in memory those readers can map. Freeing an extent bumps
+the counter of its first page, under the lock and before the extent can be
+handed out again, so "the counter still reads what it read when the extent
+was looked up" (``extent_of``) means "these bytes have not been freed, let
+alone rewritten, since": a seqlock per extent, with no ABA (counters only
+grow). An extent is only ever freed whole, so its first page's counter
+covers all of it.
 """
 
 from __future__ import annotations
@@ -52,6 +62,16 @@ class _Extent:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class SharedExtent:
+    """Where a block lies (``offset``, ``nbytes``) and its extent's ``generation``
+    when it was looked up (0 for a tier without generations)."""
+
+    offset: int
+    nbytes: int
+    generation: int = 0
+
+
 # Index key: (namespace digest, chunk key). Chunk keys already hash the namespace
 # in, but engines may supply raw keys, and one namespace must never be able to
 # overwrite or delete another's block.
@@ -63,10 +83,26 @@ class ArenaTier:
 
     verifies_reads = False
 
-    def __init__(self, kind: TierKind, memory: ArenaMemory) -> None:
+    def __init__(
+        self,
+        kind: TierKind,
+        memory: ArenaMemory,
+        *,
+        capacity_bytes: int | None = None,
+        generations: np.ndarray | None = None,
+    ) -> None:
+        """Blocks go in ``[0, capacity_bytes)`` of ``memory`` (all of it by default);
+        ``generations``: a uint64 array with a counter per page of that range (see
+        the module docstring), or ``None``."""
         self.kind = kind
         self._memory = memory
-        self._allocator = ExtentAllocator(memory.nbytes)
+        self._allocator = ExtentAllocator(
+            memory.nbytes if capacity_bytes is None else capacity_bytes
+        )
+        pages = -(-self._allocator.capacity // self._allocator.page)
+        if generations is not None and (generations.dtype != np.uint64 or generations.size < pages):
+            raise ValueError(f"generations must be {pages} uint64 counters")
+        self._generations = generations
         self._index: dict[_IndexKey, _Extent] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -91,7 +127,7 @@ class ArenaTier:
             for (key, block), offset in zip(items, offsets, strict=True):
                 replaced = self._index.get((namespace, key))
                 if replaced is not None:
-                    self._allocator.free(replaced.offset)
+                    self._free(replaced.offset)
                 self._index[(namespace, key)] = _Extent(offset, block.nbytes)
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
@@ -131,16 +167,35 @@ class ArenaTier:
                 copied.append(True)
             return copied
 
-    def extent_of(self, namespace: bytes, key: ChunkKey) -> tuple[int, int] | None:
-        """``(offset, nbytes)`` of a stored block in the arena, for zero-copy sharing.
+    def extent_of(self, namespace: bytes, key: ChunkKey) -> SharedExtent | None:
+        """Where a stored block lies in the arena, for zero-copy sharing, with its
+        extent's generation read in the same breath (under the lock).
 
         Valid while the block stays put; the store pins it for as long as a
-        client may read it through its own mapping of the arena.
+        client may read it through its own mapping of the arena, and the
+        generation tells that client whether it did stay put.
         """
         with self._lock:
             self._check_open()
             extent = self._index.get((namespace, key))
-            return None if extent is None else (extent.offset, extent.nbytes)
+            if extent is None:
+                return None
+            return SharedExtent(extent.offset, extent.nbytes, self._generation(extent.offset))
+
+    def generation_index(self, offset: int) -> int:
+        """Which counter of ``generations`` belongs to the extent at ``offset``."""
+        return offset // self._allocator.page
+
+    def _generation(self, offset: int) -> int:
+        if self._generations is None:
+            return 0
+        return int(self._generations[self.generation_index(offset)])
+
+    def _free(self, offset: int) -> None:
+        """Free an extent, bumping its generation first (lock held)."""
+        if self._generations is not None:
+            self._generations[self.generation_index(offset)] += 1
+        self._allocator.free(offset)
 
     def contains_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
@@ -154,7 +209,7 @@ class ArenaTier:
             for key in keys:
                 extent = self._index.pop((namespace, key), None)
                 if extent is not None:
-                    self._allocator.free(extent.offset)
+                    self._free(extent.offset)
                     deleted += 1
         return deleted
 
@@ -191,6 +246,7 @@ class ArenaTier:
             if not self._closed:
                 self._closed = True
                 self._index.clear()
+                self._generations = None  # a view of the memory: let it go first
                 self._memory.close()
 
     def _check_open(self) -> None:

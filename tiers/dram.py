@@ -6,6 +6,17 @@ blocks out without the bytes crossing a socket. When CUDA is present the
 segment is also registered with the driver as pinned (page-locked) memory, so
 host-to-device copies from it run as DMA at full PCIe speed instead of being
 staged through a bounce buffer.
+
+The segment's layout::
+
+    [0, capacity)                      blocks (``ArenaTier``'s extents)
+    [capacity, capacity + 8 * pages)   extent generations: a u64 (native byte
+                                       order) per 4 KiB page of the blocks
+
+Clients that copy a block out of their own mapping cannot take the tier's
+lock; they compare the generation of the block's extent after the copy with
+the one it had when it was leased (``client.blocks``), which proves the
+extent was not freed, so not rewritten, in between (``ArenaTier``).
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from kvstore.arena import PAGE_BYTES
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.base import TierKind
 
@@ -40,6 +52,11 @@ class SharedMemoryArena:
             length = len(part) if isinstance(part, bytes) else part.nbytes
             self._array[offset : offset + length] = np.frombuffer(part, dtype=np.uint8)
             offset += length
+
+    def array(self, offset: int, count: int, dtype: type[np.generic]) -> np.ndarray:
+        """``count`` items of ``dtype`` at ``offset``, a view of the segment (zeroed
+        at creation, as fresh shared memory is)."""
+        return np.ndarray((count,), dtype=dtype, buffer=self._shm.buf, offset=offset)
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         np.copyto(out, self._array[offset : offset + out.size])
@@ -86,5 +103,16 @@ class DRAMTier(ArenaTier):
     """Host-memory tier over a shared-memory arena (pinned when CUDA is present)."""
 
     def __init__(self, capacity_bytes: int, *, shm_name: str | None = None) -> None:
-        self.arena = SharedMemoryArena(capacity_bytes, name=shm_name)
-        super().__init__(TierKind.DRAM, self.arena)
+        capacity = capacity_bytes - capacity_bytes % PAGE_BYTES
+        pages = capacity // PAGE_BYTES
+        self.arena = SharedMemoryArena(capacity + 8 * pages, name=shm_name)
+        # Where the generation counters start in the segment (clients read them there).
+        self.generations_offset = capacity
+        generations = self.arena.array(capacity, pages, np.uint64)
+        super().__init__(
+            TierKind.DRAM, self.arena, capacity_bytes=capacity, generations=generations
+        )
+
+    def generation_offset(self, offset: int) -> int:
+        """Byte offset in the segment of the generation of the extent at ``offset``."""
+        return self.generations_offset + 8 * self.generation_index(offset)
