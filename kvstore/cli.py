@@ -6,11 +6,13 @@
     kvstore stats [--url unix:///path/kvstore.sock | http://host:port] [--token TOKEN]
                   [--config FILE] [--json]
     kvstore replay TRACE --hbm-gb X --dram-gb Y --ssd-gb Z [--policy ...] [--json] [--plot DIR]
-    kvstore train-predictor TRACE... --out FILE
+    kvstore train-predictor TRACE... --out FILE [--format mooncake|tracelab]
 
 ``stats`` finds the daemon's socket from the same config ``serve`` reads
 unless ``--url`` says otherwise; ``--token`` (or ``KVSTORE_AUTH_TOKEN``) is
-only needed over TCP.
+only needed over TCP. It prints the predictor's quality per horizon beside
+its two baselines. ``train-predictor`` writes a model a daemon starts from
+(``[predictor] weights = FILE``).
 """
 
 from __future__ import annotations
@@ -157,7 +159,60 @@ def format_stats(data: dict[str, Any]) -> str:
         f"  puts {store.get('puts', 0)}  chunks stored {store.get('chunks_stored', 0)}"
         f"  dropped {store.get('puts_dropped', 0)}",
     ]
+    predictor = data.get("predictor")
+    if predictor:
+        lines += ["", *format_predictor(predictor)]
     return "\n".join(lines)
+
+
+def format_predictor(predictor: dict[str, Any]) -> list[str]:
+    """The predictor's part of ``kvstore stats``: counters, then quality per horizon
+    with the two baselines beside the model (``-`` where a score is not defined yet)."""
+    if not predictor.get("enabled"):
+        return ["predictor disabled"]
+    model = predictor.get("model", {})
+    prefetches = predictor.get("prefetches", {})
+    placements = predictor.get("placements", {})
+    lines = [
+        f"predictor  model from {model.get('source')} ({model.get('features')} features)"
+        f"  events {predictor.get('events_processed', 0)}"
+        f" (dropped {predictor.get('events_dropped', 0)})"
+        f"  idle sessions {predictor.get('idle_sessions', 0)}",
+        f"prefetches issued {prefetches.get('issued', 0)}  used {prefetches.get('used', 0)}"
+        f"  wasted {prefetches.get('wasted', 0)}  idle placements "
+        + (", ".join(f"{tier} {n}" for tier, n in sorted(placements.items())) or "-")
+        + f"  demoted {predictor.get('demoted_chunks', 0)} chunks",
+    ]
+    quality = predictor.get("quality", {})
+    if not quality:
+        return lines
+    rows = [["horizon", "labels", "returned", "AUC", "Brier", "log loss"]]
+    for horizon, entry in quality.items():
+        rows.append(
+            [
+                f"{horizon} s",
+                str(entry.get("n", 0)),
+                _score(entry.get("positive_rate")),
+                *(_scores(entry, metric) for metric in ("auc", "brier", "log_loss")),
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["", "quality: predictor / base rate / last gap short"]
+    lines += [
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
+        for row in rows
+    ]
+    return lines
+
+
+def _scores(entry: dict[str, Any], metric: str) -> str:
+    return "/".join(
+        _score(entry.get(model, {}).get(metric)) for model in ("predictor", "base_rate", "last_gap")
+    )
+
+
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _bytes(value: int) -> str:

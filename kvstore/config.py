@@ -269,8 +269,8 @@ def apply_env_overrides(data: Mapping[str, Any], env: Mapping[str, str]) -> dict
     for variable, value in env.items():
         if not variable.startswith("KVSTORE_") or variable in _NOT_STORE_VARIABLES:
             continue
-        if variable.startswith("KVSTORE_DAEMON_"):  # kvstore.server.config reads these
-            continue
+        if variable.startswith(("KVSTORE_DAEMON_", "KVSTORE_PREDICTOR_")):
+            continue  # kvstore.server.config reads these
         name = variable[len("KVSTORE_") :].lower()
         tier_name, _, tier_field = name.partition("_")
         if tier_name in tier_names and tier_field:

@@ -27,8 +27,9 @@ its block demoted from under it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -71,6 +72,7 @@ class SharedBlock:
     key: ChunkKey
     offset: int
     nbytes: int
+    generation: int = 0  # of its extent when pinned (``ArenaTier.extent_of``)
 
 
 @dataclass(slots=True)
@@ -656,7 +658,7 @@ class TieredStore:
         if extent is None:
             return None
         meta.pins += 1
-        return SharedBlock(key, extent[0], extent[1])
+        return SharedBlock(key, extent.offset, extent.nbytes, extent.generation)
 
     def _count_shared(self, shared: Sequence[SharedBlock | None]) -> None:
         """Count shared blocks as DRAM hits and mark them used. Lock held."""
@@ -720,6 +722,19 @@ class TieredStore:
     def tier(self, kind: TierKind) -> Tier:
         """The tier object of ``kind`` (for tools and tests)."""
         return self._placement.tiers[kind].tier
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the store's lock, which guards the eviction policy as well as the index.
+
+        A caller that drives a session policy's own hooks (``on_idle``,
+        ``on_resume``, ``tick``; ``kvstore.predictor.driver``) from a thread of
+        its own holds it meanwhile, so those hooks never interleave with the
+        eviction hooks the store calls. Re-entrant: the store's methods may be
+        called inside (a policy demotes and promotes through them).
+        """
+        with self._lock:
+            yield
 
     @property
     def tier_kinds(self) -> list[TierKind]:

@@ -9,6 +9,7 @@ import mmap
 import os
 import socket
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,10 +61,12 @@ def test_put_then_bytes_get_round_trips_bit_for_bit(client: httpx.Client, ns: Na
         "chunk_tokens": ns.chunk_tokens,
         "total_chunks": 6,
         "tiers": [],
+        "load_chunks": 0,
     }
     assert put(client, chain, session="agent-1") == 6
     assert put(client, chain) == 0  # already held: nothing rewritten
-    assert lookup(client, ns, chain.keys)["tiers"] == ["dram"] * 6
+    found = lookup(client, ns, chain.keys)
+    assert found["tiers"] == ["dram"] * 6 and found["load_chunks"] == 6  # DRAM beats prefill
     meta, blocks = get_bytes(client, ns, chain.keys)
     assert [entry["tier"] for entry in meta["blocks"]] == ["dram"] * 6
     assert blocks == chain.blocks  # the very bytes the client built, header included
@@ -113,6 +116,10 @@ def test_shm_get_maps_the_arena_read_only(client: httpx.Client, ns: Namespace) -
                 block = mapping[entry["offset"] : entry["offset"] + entry["length"]]
                 check_identity(verify_block(block), ns, key)
                 assert block == sent
+                # The extent's generation, where the client reads it back after a copy.
+                at = entry["generation_at"]
+                assert at % 8 == 0 and arena["size"] <= at < os.fstat(fd).st_size
+                assert entry["generation"] == int.from_bytes(mapping[at : at + 8], sys.byteorder)
     finally:
         os.close(fd)
     stats = client.get("/v1/stats").json()["daemon"]
@@ -188,7 +195,7 @@ def test_stats_and_metrics(client: httpx.Client, ns: Namespace) -> None:
     put(client, chain)
     get_bytes(client, ns, chain.keys + make_chain(ns, 1, start=5000).keys)
     stats = client.get("/v1/stats").json()
-    assert set(stats) == {"store", "daemon"}
+    assert set(stats) == {"store", "daemon", "predictor"}
     assert set(stats["store"]["tiers"]) == {"dram", "ssd"}
     assert stats["daemon"]["listening"][0].startswith("unix://")
     assert stats["daemon"]["requests_served"] > 0

@@ -11,8 +11,9 @@ from support import kv
 from kvstore import TieredStore
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.events import RequestFinished, Trigger, parse_event
-from kvstore.server.config import DaemonConfig, ServiceConfig
+from kvstore.events import UNNAMED, RequestFinished, Trigger, parse_event
+from kvstore.keys import chunk_keys
+from kvstore.server.config import DaemonConfig, PredictorConfig, ServiceConfig
 from kvstore.server.events import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.wire import ErrorCode, WireError
@@ -164,3 +165,70 @@ def test_events_parse_into_types_and_the_ring_is_bounded() -> None:
     assert log.recent() == [finished, started] and log.received == 3
     with pytest.raises(WireError):
         parse_event({"event": "request_started", "session": "s", "trigger": "user"})
+
+
+def test_events_carry_an_optional_chain_and_may_leave_the_session_to_it() -> None:
+    ns = kv.namespace()
+    keys = chunk_keys(ns, kv.tokens(3))
+    body = {
+        "event": "request_started",
+        "trigger": "tool",
+        "prompt_tokens": 48,
+        "cached_tokens": 0,
+        "time": 7.0,
+        "namespace": ns.digest.hex(),
+        "keys": [key.hex() for key in keys],
+    }
+    event = parse_event(body)
+    assert event.session == UNNAMED and event.keys == tuple(keys)
+    assert event.namespace == ns.digest
+    assert parse_event(event.to_json()) == event and event.to_json() == body
+    named = parse_event({**body, "session": "s"})
+    assert named.session == "s" and named.to_json()["keys"] == body["keys"]
+    for bad, message in (
+        ({k: v for k, v in body.items() if k != "keys"}, "namespace and keys come together"),
+        ({**body, "keys": []}, "keys must not be empty"),
+        ({k: v for k, v in body.items() if k not in ("keys", "namespace")}, "session must be"),
+        ({**body, "keys": ["zz"]}, "key must be"),
+        ({**body, "session": 5}, "session must be"),
+    ):
+        with pytest.raises(WireError, match=message):
+            parse_event(bad)
+
+
+# -- predictor ---------------------------------------------------------------------------
+
+
+def test_the_predictor_is_on_by_default_and_configured_by_file_then_environment(
+    tmp_path: Path,
+) -> None:
+    assert ServiceConfig.load(_write(tmp_path), environ={}).predictor == PredictorConfig()
+    path = tmp_path / "kvstore.toml"
+    path.write_text(
+        f'data_dir = "{tmp_path}"\n[tiers.dram]\ncapacity = "1MiB"\n\n'
+        '[predictor]\nhorizons_s = [30, 300]\nweights = "~/model.pt"\ntick_s = 1\n'
+    )
+    env = {"KVSTORE_PREDICTOR_TICK_S": "2.5", "KVSTORE_PREDICTOR_ENABLED": "off"}
+    config = ServiceConfig.load(path, environ=env).predictor
+    assert config.horizons_s == (30.0, 300.0) and config.tick_s == 2.5
+    assert config.weights == Path("~/model.pt").expanduser() and config.enabled is False
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("horizons_s = [600, 60]", "must be increasing"),
+        ("horizons_s = []", "positive numbers"),
+        ("horizons_s = 60", "list of seconds"),
+        ("tick_s = 0", "positive number"),
+        ("enabled = 1", "true or false"),
+        ("queue_size = 0", "must be positive"),
+        ("guess = 1", "unknown predictor setting"),
+        ("weights = 3", "must be a path"),
+    ],
+)
+def test_bad_predictor_settings_are_config_errors(tmp_path: Path, table: str, message: str) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(f'data_dir = "{tmp_path}"\n[predictor]\n{table}\n')
+    with pytest.raises(ConfigError, match=message):
+        ServiceConfig.load(path, environ={})

@@ -1,10 +1,11 @@
 """The daemon's aiohttp application: state, middlewares, and the operational routes.
 
-``create_app(store, config)`` builds one ``web.Application`` serving
-docs/http_api.md. The caller owns the store (the ``Server`` opens it before
-and closes it after the app); the app owns what lives and dies with it: the
-lease table and its expiry task (``cleanup_ctx``), the event ring, the
-metrics registry.
+``create_app(store, config, predictor)`` builds one ``web.Application``
+serving docs/http_api.md. The caller owns the store (the ``Server`` opens it
+before and closes it after the app) and makes the predictor before the store,
+whose eviction policy it provides; the app owns what lives and dies with it:
+the lease table and its expiry task, the predictor's event queue, timer and
+final save (``cleanup_ctx``), the event ring, the metrics registry.
 
 Every request passes the middlewares outermost first::
 
@@ -34,13 +35,15 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import KVStoreError
+from kvstore.events import MAX_SESSION_CHARS
 from kvstore.keys import ChunkKey
+from kvstore.predictor.service import PredictorService
 from kvstore.server.config import DaemonConfig
 from kvstore.server.events import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.routes import add_routes, is_local
-from kvstore.server.state import EVENTS, LEASES, METRICS, STATE, STORE, DaemonState
+from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE, DaemonState
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
 from kvstore.wire import ERRORS, ErrorCode, error_body, error_code_of
@@ -58,7 +61,9 @@ _PROBE_KEY = ChunkKey(bytes(16))
 _LINGERING_TIME_S = 2.0
 
 
-def create_app(store: TieredStore, config: DaemonConfig) -> web.Application:
+def create_app(
+    store: TieredStore, config: DaemonConfig, predictor: PredictorService | None = None
+) -> web.Application:
     app = web.Application(
         middlewares=[observe, errors, authenticate, drain_gate],
         client_max_size=config.max_json_bytes,
@@ -73,13 +78,17 @@ def create_app(store: TieredStore, config: DaemonConfig) -> web.Application:
     app[STORE] = store
     app[LEASES] = leases
     app[EVENTS] = EventLog(config.events_kept)
-    app[METRICS] = DaemonMetrics(store, leases)
+    app[METRICS] = DaemonMetrics(store, leases, predictor)
     app[STATE] = DaemonState(config, asyncio.Semaphore(config.max_concurrent_puts))
     app.cleanup_ctx.append(expire_leases)
+    if predictor is not None:
+        app[PREDICTOR] = predictor
+        app.cleanup_ctx.append(predictor.lifecycle)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/v1/sessions/{session}", session_info)
     add_routes(app)
     return app
 
@@ -249,9 +258,14 @@ async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     leases = request.app[LEASES]
     snapshot = await asyncio.to_thread(store.stats)
+    predictor = request.app.get(PREDICTOR)
+    learnt = (
+        {"enabled": False} if predictor is None else await asyncio.to_thread(predictor.snapshot)
+    )
     return web.json_response(
         {
             "store": snapshot.to_dict(),
+            "predictor": learnt,
             "daemon": {
                 "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - state.started_at, 3),
@@ -265,6 +279,18 @@ async def stats(request: web.Request) -> web.Response:
             },
         }
     )
+
+
+async def session_info(request: web.Request) -> web.Response:
+    """What the predictor knows of one session: its forecast, where its chain lies."""
+    predictor = request.app.get(PREDICTOR)
+    name = request.match_info["session"]
+    if predictor is None:
+        return error_response(ErrorCode.NOT_FOUND, "the predictor is disabled")
+    body = await asyncio.to_thread(predictor.session, name)
+    if body is None:
+        return error_response(ErrorCode.NOT_FOUND, f"no session {name[:MAX_SESSION_CHARS]!r}")
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -17,10 +17,15 @@ Kept apart from the running ``Server`` (as uvicorn keeps ``Config`` apart from
     auth_token = "..."                           #   and then needs a token
     lease_ttl_s = 10
 
+    [predictor]                                  # the return-time predictor (on by default)
+    horizons_s = [60, 600, 3600]
+    weights = "/srv/kvstore/pretrained.pt"       # start from `kvstore train-predictor`
+
 ``KVSTORE_DAEMON_<FIELD>`` overrides one field (``KVSTORE_DAEMON_TCP_PORT=7480``)
-and ``KVSTORE_AUTH_TOKEN`` the token, so the secret need not sit in the file.
-Values from the environment are parsed by the field's type: a token of digits
-stays a string.
+and ``KVSTORE_AUTH_TOKEN`` the token, so the secret need not sit in the file;
+``KVSTORE_PREDICTOR_<FIELD>`` does the same for ``[predictor]``. Values from
+the environment are parsed by the field's type: a token of digits stays a
+string.
 
 Reloadable on SIGHUP (``RELOADABLE``): the token, the lease TTL and the log
 level. Everything else needs a restart.
@@ -44,6 +49,7 @@ from kvstore.errors import ConfigError
 SOCKET_NAME = "kvstore.sock"
 TOKEN_VARIABLE = "KVSTORE_AUTH_TOKEN"
 _ENV_PREFIX = "KVSTORE_DAEMON_"
+_PREDICTOR_ENV_PREFIX = "KVSTORE_PREDICTOR_"
 # The longest path a Unix socket can bind to on Linux (sun_path is 108 bytes).
 MAX_SOCKET_PATH = 107
 RELOADABLE = frozenset({"auth_token", "lease_ttl_s", "log_level"})
@@ -147,13 +153,120 @@ class DaemonConfig:
 
 
 @dataclass(frozen=True)
+class PredictorConfig:
+    """The ``[predictor]`` table: the return-time predictor and its placement policy.
+
+    On by default: a daemon that learns nothing from its session events would
+    keep LRU placement, which is what the predictor exists to beat, and the
+    untrained model starts at the published base rates, so it never does
+    worse than a fixed rule on day one. ``enabled = false`` keeps the store's
+    LRU policy and only records events.
+
+    ``weights`` is a model file from ``kvstore train-predictor`` to start
+    from. The model the daemon learns is saved under ``<data_dir>/predictor/``
+    every ``save_interval_s`` and at shutdown, and that file, when present,
+    wins over ``weights`` on the next start (delete it to start over from
+    ``weights``). ``horizons_s`` shape a new model only; a loaded one keeps
+    its own. Session events wait in a queue of ``queue_size`` (a full queue
+    drops and counts them: events are advisory); ``tick_s`` is the timer that
+    labels passed horizons and re-places idle sessions; a session idle for
+    ``forget_after_s`` is forgotten.
+    """
+
+    enabled: bool = True
+    horizons_s: tuple[float, ...] = (60.0, 600.0, 3600.0)
+    weights: Path | None = None
+    tick_s: float = 5.0
+    save_interval_s: float = 300.0
+    queue_size: int = 10_000
+    forget_after_s: float = 86_400.0
+
+    def __post_init__(self) -> None:
+        horizons = self.horizons_s
+        if not horizons or any(not (math.isfinite(h) and h > 0) for h in horizons):
+            raise ConfigError("predictor.horizons_s must be positive numbers of seconds")
+        if any(a >= b for a, b in zip(horizons, horizons[1:], strict=False)):
+            raise ConfigError("predictor.horizons_s must be increasing")
+        for name in ("tick_s", "save_interval_s", "forget_after_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"predictor.{name} must be a positive number of seconds")
+        if self.queue_size <= 0:
+            raise ConfigError("predictor.queue_size must be positive")
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    ) -> PredictorConfig:
+        """Build from the ``[predictor]`` table, then ``KVSTORE_PREDICTOR_<FIELD>``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("'predictor' must be a table: [predictor]")
+        env = os.environ if environ is None else environ
+        values = dict(data)
+        for variable, text in env.items():
+            if variable.startswith(_PREDICTOR_ENV_PREFIX):
+                values[variable[len(_PREDICTOR_ENV_PREFIX) :].lower()] = _predictor_env(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(
+                f"unknown predictor setting(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        checked: dict[str, Any] = {}
+        for name, value in values.items():
+            checked[name] = _predictor_value(name, value)
+        return cls(**checked)
+
+
+def _predictor_env(text: str) -> Any:
+    """An environment value as TOML would read it (``true``, ``5``, ``[60, 600]``),
+    else as a string (a path)."""
+    words = {"yes": True, "on": True, "no": False, "off": False}
+    if text.strip().lower() in words:
+        return words[text.strip().lower()]
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _predictor_value(name: str, value: Any) -> Any:
+    if name == "enabled":
+        if not isinstance(value, bool):
+            raise ConfigError(f"predictor.enabled must be true or false, not {value!r}")
+        return value
+    if name == "weights":
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise ConfigError(f"predictor.weights must be a path, not {value!r}")
+        return Path(os.path.expanduser(value))
+    if name == "horizons_s":
+        if not isinstance(value, list | tuple) or not all(_is_number(h) for h in value):
+            raise ConfigError(f"predictor.horizons_s must be a list of seconds, not {value!r}")
+        return tuple(float(h) for h in value)
+    if name == "queue_size":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"predictor.queue_size must be an integer, not {value!r}")
+        return value
+    if not _is_number(value):
+        raise ConfigError(f"predictor.{name} must be a number of seconds, not {value!r}")
+    return float(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
-    """Everything ``kvstore serve`` runs with: the store, the daemon, and the file
-    both came from (re-read on SIGHUP)."""
+    """Everything ``kvstore serve`` runs with: the store, the daemon, the predictor,
+    and the file they came from (re-read on SIGHUP)."""
 
     store: StoreConfig
     daemon: DaemonConfig
     path: Path | None = None
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     @classmethod
     def load(
@@ -171,11 +284,12 @@ class ServiceConfig:
                     data = tomllib.load(handle)
             except (OSError, tomllib.TOMLDecodeError) as error:
                 raise ConfigError(f"cannot read config {path}: {error}") from error
+        predictor = PredictorConfig.from_mapping(data.pop("predictor", {}), environ=env)
         store = StoreConfig.from_mapping(apply_env_overrides(data, env))
         daemon = DaemonConfig.from_mapping(
             data.get("daemon", {}), data_dir=store.data_dir, environ=env
         )
-        return cls(store, daemon, Path(path) if path is not None else None)
+        return cls(store, daemon, Path(path) if path is not None else None, predictor)
 
 
 def _checked(name: str, value: Any, types: Mapping[str, Any]) -> Any:

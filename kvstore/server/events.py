@@ -1,8 +1,10 @@
 """The daemon's memory of recent session events (``kvstore.events`` has the schema).
 
 The daemon keeps the most recent ``events_kept`` events in an ``EventLog``
-ring, for the return-time predictor (issue 4); the event loop is its only
-writer.
+ring, a record for operators and tests; the event loop is its only writer.
+The return-time predictor does not read the ring: each event is handed to
+``kvstore.predictor.service`` as it arrives, whose own queue keeps them in
+order until they are learnt from.
 """
 
 from __future__ import annotations

@@ -22,6 +22,24 @@ Two sources:
       kvstore_leases_outstanding               shared-memory leases not yet released
 
 A miss has no tier (it is a miss in all of them), so misses are one counter.
+
+* The predictor's numbers are read at scrape time too (``PredictorCollector``,
+  from ``PredictorService.snapshot``), so they match ``/v1/stats``::
+
+      kvstore_predictor_auc{horizon,model}        prequential AUC, Brier score and log
+      kvstore_predictor_brier{horizon,model}      loss per horizon (seconds) of the model
+      kvstore_predictor_log_loss{horizon,model}   (model="predictor") and of the two
+                                                  baselines ("base_rate", "last_gap")
+      kvstore_predictor_labels_total{horizon}     labels scored so far
+      kvstore_predictor_prefetches_total{outcome} issued, used, wasted
+      kvstore_predictor_placements_total{tier}    idle sessions kept in each tier ("none":
+                                                  no chain to place)
+      kvstore_predictor_demoted_chunks_total      chunks moved down by idle placement
+      kvstore_predictor_events_total{outcome}     processed, dropped (queue full), failed
+      kvstore_predictor_idle_sessions             sessions idle now
+
+  A score not defined yet (AUC before both labels were seen) is left out
+  rather than exported as NaN.
 """
 
 from __future__ import annotations
@@ -33,6 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvstore.events import RequestFinished, SessionEvent
+from kvstore.predictor.service import PredictorService
 from kvstore.server.leases import LeaseTable
 from kvstore.store import TieredStore
 
@@ -103,10 +122,74 @@ class StoreCollector(Collector):
         )
 
 
+class PredictorCollector(Collector):
+    """Reads the predictor's scores and counters at scrape time."""
+
+    def __init__(self, predictor: PredictorService) -> None:
+        self._predictor = predictor
+
+    def collect(self) -> Iterable[Metric]:
+        snapshot = self._predictor.snapshot()
+        scores = {
+            metric: GaugeMetricFamily(
+                f"kvstore_predictor_{metric}",
+                f"Prequential {text} of the return forecasts, by horizon (s) and model.",
+                labels=["horizon", "model"],
+            )
+            for metric, text in (("auc", "AUC"), ("brier", "Brier score"), ("log_loss", "log loss"))
+        }
+        labels = CounterMetricFamily(
+            "kvstore_predictor_labels", "Return labels scored, by horizon (s).", labels=["horizon"]
+        )
+        for horizon, quality in snapshot["quality"].items():
+            labels.add_metric([horizon], quality["n"])
+            for model in ("predictor", "base_rate", "last_gap"):
+                for metric, family in scores.items():
+                    value = quality[model][metric]
+                    if value is not None:
+                        family.add_metric([horizon, model], value)
+        yield from scores.values()
+        yield labels
+        prefetches = CounterMetricFamily(
+            "kvstore_predictor_prefetches",
+            "Chunks promoted ahead of a lookup, and whether they were read there.",
+            labels=["outcome"],
+        )
+        for outcome in ("issued", "used", "wasted"):
+            prefetches.add_metric([outcome], snapshot["prefetches"][outcome])
+        yield prefetches
+        placements = CounterMetricFamily(
+            "kvstore_predictor_placements",
+            "Idle sessions by the tier their chain was kept in.",
+            labels=["tier"],
+        )
+        for tier, count in sorted(snapshot["placements"].items()):
+            placements.add_metric([tier], count)
+        yield placements
+        yield CounterMetricFamily(
+            "kvstore_predictor_demoted_chunks",
+            "Chunks moved down by idle placement (not by capacity pressure).",
+            value=snapshot["demoted_chunks"],
+        )
+        events = CounterMetricFamily(
+            "kvstore_predictor_events",
+            "Session events, by what became of them.",
+            labels=["outcome"],
+        )
+        for outcome in ("processed", "dropped", "failed"):
+            events.add_metric([outcome], snapshot[f"events_{outcome}"])
+        yield events
+        yield GaugeMetricFamily(
+            "kvstore_predictor_idle_sessions", "Sessions idle now.", value=snapshot["idle_sessions"]
+        )
+
+
 class DaemonMetrics:
     """The registry of one app and the metrics counted as requests arrive."""
 
-    def __init__(self, store: TieredStore, leases: LeaseTable) -> None:
+    def __init__(
+        self, store: TieredStore, leases: LeaseTable, predictor: PredictorService | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvstore_http_requests",
@@ -137,6 +220,8 @@ class DaemonMetrics:
         self.client_tokens.labels(source="cache")
         self.client_tokens.labels(source="recompute")
         self.registry.register(StoreCollector(store, leases))
+        if predictor is not None:
+            self.registry.register(PredictorCollector(predictor))
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, method=method, status=str(status)).inc()

@@ -50,9 +50,10 @@ from kvstore.events import MAX_SESSION_CHARS, parse_event
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.server.frames import ArrivedBlock, FrameSplitter, send_served
 from kvstore.server.leases import Lease, LeaseTable
-from kvstore.server.state import EVENTS, LEASES, METRICS, STATE, STORE
+from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE
 from kvstore.store import SharedBlock, TieredStore
 from kvstore.tiers.base import TierKind
+from kvstore.tiers.dram import DRAMTier
 from kvstore.wire import (
     API_PREFIX,
     FRAMES_CONTENT_TYPE,
@@ -119,6 +120,7 @@ async def lookup(request: web.Request) -> web.Response:
             "chunk_tokens": prefix.chunk_tokens,
             "total_chunks": prefix.total_chunks,
             "tiers": [tier.label for tier in prefix.tiers],
+            "load_chunks": prefix.load_chunks,
         }
     )
 
@@ -134,6 +136,9 @@ async def post_event(request: web.Request) -> web.Response:
     event = parse_event(await read_json(request))
     request.app[EVENTS].append(event)
     request.app[METRICS].observe_event(event)
+    predictor = request.app.get(PREDICTOR)
+    if predictor is not None:
+        predictor.submit(event)  # learnt from and acted on in order, off this request
     return web.json_response({"accepted": True})
 
 
@@ -157,6 +162,9 @@ async def put(request: web.Request) -> web.Response:
         stored = await asyncio.to_thread(
             store.put_blocks, batch.namespace, batch.keys, batch.blocks, session=batch.session
         )
+    predictor = request.app.get(PREDICTOR)
+    if predictor is not None:  # the session's latest chain, for its events without keys
+        predictor.saw_put(batch.session, batch.namespace.digest, tuple(batch.keys))
     return web.json_response({"stored": stored})
 
 
@@ -302,7 +310,9 @@ async def _get_bytes(
 async def _get_shared(
     request: web.Request, store: TieredStore, namespace: Namespace, keys: list[ChunkKey]
 ) -> web.Response:
-    """Pin the DRAM blocks under a lease and say where they lie in the arena."""
+    """Pin the DRAM blocks under a lease and say where they lie in the arena, with
+    each extent's generation as it was when pinned (the client's proof, after
+    copying, that the extent was not freed meanwhile: ``client.blocks``)."""
     if not is_local(request):
         raise WireError(ErrorCode.BAD_REQUEST, "transfer 'shm' is only offered on the Unix socket")
     name = store.shared_memory_name
@@ -310,12 +320,22 @@ async def _get_shared(
         raise WireError(ErrorCode.NOT_FOUND, "this daemon has no DRAM tier; use 'bytes'")
     leases = request.app[LEASES]
     lease, shared, located = await asyncio.to_thread(_share, leases, namespace, keys)
+    dram = store.tier(TierKind.DRAM)
+    assert isinstance(dram, DRAMTier), "a shared-memory name comes from a DRAM tier"
     entries: list[dict[str, Any]] = []
     elsewhere = iter(located)
     for key, block in zip(keys, shared, strict=True):
         if block is not None:
             entries.append(
-                {"key": key.hex(), "offset": block.offset, "length": block.nbytes, "tier": "dram"}
+                {
+                    "key": key.hex(),
+                    "offset": block.offset,
+                    "length": block.nbytes,
+                    "tier": "dram",
+                    # The client checks this counter after its copy (client.blocks).
+                    "generation": block.generation,
+                    "generation_at": dram.generation_offset(block.offset),
+                }
             )
         elif next(elsewhere) is not None:
             entries.append({"key": key.hex(), "inline": True})

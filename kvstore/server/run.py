@@ -2,7 +2,9 @@
 
 Life of a daemon::
 
-    start    open the store (LMDB, the DRAM arena) on a worker thread
+    start    load the predictor's model (``[predictor]``; its placement policy is
+             the store's eviction policy), then open the store (LMDB, the DRAM
+             arena) on a worker thread
              bind the Unix socket (mode 0600; a stale socket file is removed,
              a live one is an error) and, if configured, TCP; print where
     serve    until SIGTERM or SIGINT; SIGHUP reloads the token, the lease TTL
@@ -11,7 +13,8 @@ Life of a daemon::
              requests in flight get ``drain_timeout_s`` to finish (bodies
              still arriving included), then ``_STRAGGLER_TIMEOUT_S`` more
              while connections close, then are cancelled
-    stop     release every lease; flush what only DRAM holds down to LMDB
+    stop     release every lease; stop the predictor and save its model;
+             flush what only DRAM holds down to LMDB
              (``flush_timeout_s``); close the store; remove the socket file
 
 A second SIGTERM or SIGINT while draining is logged and ignored: the
@@ -38,6 +41,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.predictor.service import PredictorService
 from kvstore.server.app import create_app
 from kvstore.server.config import RELOADABLE, DaemonConfig, ServiceConfig
 from kvstore.server.state import LEASES, STATE, DaemonState
@@ -107,8 +111,13 @@ class Server:
         # The store opens LMDB inside these; it does not create their parents.
         for directory in _store_directories(self.config):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.store = await asyncio.to_thread(TieredStore, self.config.store)
-        self.app = create_app(self.store, self.daemon)
+        predictor = await self._predictor()
+        self.store = await asyncio.to_thread(
+            TieredStore, self.config.store, policy=predictor.policy if predictor else None
+        )
+        if predictor is not None:
+            predictor.attach(self.store)
+        self.app = create_app(self.store, self.daemon, predictor)
         self.runner = web.AppRunner(
             self.app,
             shutdown_timeout=_STRAGGLER_TIMEOUT_S,
@@ -126,6 +135,24 @@ class Server:
             ", ".join(kind.label for kind in self.store.tier_kinds),
             os.getpid(),
         )
+
+    async def _predictor(self) -> PredictorService | None:
+        """The predictor service, its model loaded (None when disabled)."""
+        config = self.config.predictor
+        if not config.enabled:
+            return None
+        try:
+            predictor = await asyncio.to_thread(
+                PredictorService, config, self.config.store.data_dir
+            )
+        except ConfigError as error:
+            raise StartupError(f"predictor: {error}") from error
+        log.info(
+            "predictor: model from %s (horizons %s s)",
+            predictor.source if predictor.source != "weights" else config.weights,
+            ", ".join(f"{h:g}" for h in predictor.model.horizons),
+        )
+        return predictor
 
     async def _start_unix_site(self, runner: web.AppRunner, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

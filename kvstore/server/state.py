@@ -7,6 +7,8 @@
     app[EVENTS]   EventLog        recent session events (issue 4's predictor reads them)
     app[METRICS]  DaemonMetrics   this app's own Prometheus registry
     app[STATE]    DaemonState     config in force, draining flag, counters, addresses
+    app[PREDICTOR] PredictorService  the return-time predictor and its placement policy;
+                                  absent when ``[predictor] enabled = false``
 
 Handlers and the ``Server`` touch ``DaemonState`` and ``EventLog`` from the
 event loop thread only; the store and the lease table are thread safe and
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from kvstore.predictor.service import PredictorService
 from kvstore.server.config import DaemonConfig
 from kvstore.server.events import EventLog
 from kvstore.server.leases import LeaseTable
@@ -53,3 +56,4 @@ LEASES = web.AppKey("leases", LeaseTable)
 EVENTS = web.AppKey("events", EventLog)
 METRICS = web.AppKey("metrics", DaemonMetrics)
 STATE = web.AppKey("state", DaemonState)
+PREDICTOR = web.AppKey("predictor", PredictorService)

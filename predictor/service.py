@@ -1,0 +1,382 @@
+"""``PredictorService``: the return-time predictor inside ``kvstore serve``.
+
+The daemon's app owns one (``cleanup_ctx``: ``lifecycle``). Where things run::
+
+    POST /v1/events ─► submit(): bounded queue ─► one task, on a worker thread, in order:
+    (event loop; answers      (full: dropped       request_started  ─► driver.started, resumed
+     at once, never waits      and counted)                             (prefetch the chain)
+     for a placement)                               request_finished ─► driver.finished
+                                                                        (forecast, place the chain)
+                              every tick_s      ─► driver.tick (label passed horizons,
+                                                   re-place), forget long-idle sessions
+                              every save_interval_s, and at shutdown ─► save the model
+    POST /v1/put ─► saw_put(): a session's latest chain, for events that carry none
+
+Why a queue: a placement moves KV between tiers (a demotion writes a chain to
+LMDB), and an engine that reports a finished request must not wait for that.
+Events are advisory, so a full queue drops rather than blocks.
+
+The clock. Every time the predictor reads is an event's time (Unix seconds,
+sent by the client) or the event clock: the latest event time seen, advanced
+by the daemon's monotonic clock since. With clients on the daemon's clock the
+two agree; a replayed or test stream of events with times of its own keeps
+its own clock, and ticks and labels stay consistent with it.
+
+The model lives in ``<data_dir>/predictor/model.pt`` (``load_model`` says in
+which order files are tried). Threads: the queue, the clock and the counters
+belong to the event loop; the learner, tracker and scores are used under
+``_lock`` on worker threads; the policy under the store's lock as well
+(``kvstore.predictor.driver``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvstore.errors import ConfigError, UnknownNamespace
+from kvstore.events import UNNAMED, RequestStarted, SessionEvent
+from kvstore.keys import ChunkKey
+from kvstore.predictor.driver import SessionDriver
+from kvstore.predictor.features import feature_names
+from kvstore.predictor.model import ReturnModel
+from kvstore.predictor.online import OnlineLearner
+from kvstore.predictor.policy import PlacementPolicy
+from kvstore.predictor.quality import PrequentialScores
+from kvstore.predictor.sessions import SessionTracker
+from kvstore.store import TieredStore
+
+if TYPE_CHECKING:  # kvstore.server imports this module: no import cycle at run time
+    from kvstore.server.config import PredictorConfig
+
+log = logging.getLogger("kvstore.predictor")
+
+MODEL_FILE = Path("predictor") / "model.pt"
+"""The learnt model, relative to the store's data directory."""
+_BATCH = 256  # events handled per hop to a worker thread
+_PUT_CHAINS = 100_000  # sessions whose latest put chain is remembered
+_BASELINES = (("predictor", ""), ("base_rate", "base_rate_"), ("last_gap", "last_gap_"))
+
+
+def load_model(config: PredictorConfig, saved: Path) -> tuple[ReturnModel, str]:
+    """The model to start from, and where it came from.
+
+    1. ``saved`` (the daemon's own, learnt so far), unless it cannot be read or
+       was made for another feature list (a newer version): then it is set
+       aside with a warning, as a model that does not fit is worth nothing.
+    2. ``config.weights``, a pre-trained file: one that cannot be used is a
+       ``ConfigError`` (the operator asked for it by name).
+    3. A new model at the published base rates, with ``config.horizons_s``.
+    """
+    width = len(feature_names())
+    if saved.exists():
+        try:
+            model = _read_model(saved)
+        except ConfigError as error:
+            log.warning("setting aside %s and starting over: %s", saved, error)
+        else:
+            if model.n_features == width:
+                return model, "saved"
+            log.warning(
+                "setting aside %s: it takes %d features, this version computes %d",
+                saved,
+                model.n_features,
+                width,
+            )
+        os.replace(saved, saved.with_suffix(".stale"))
+    if config.weights is not None:
+        try:
+            model = _read_model(config.weights)
+        except ConfigError as error:
+            raise ConfigError(f"predictor.weights: {error}") from None
+        if model.n_features != width:
+            raise ConfigError(
+                f"predictor.weights {config.weights} takes {model.n_features} features, "
+                f"this version computes {width}: train it again with kvstore train-predictor"
+            )
+        return model, "weights"
+    return ReturnModel(width, config.horizons_s), "prior"
+
+
+def _read_model(path: Path) -> ReturnModel:
+    """``ReturnModel.load``, with every way a file can be unreadable as a ``ConfigError``."""
+    try:
+        return ReturnModel.load(path)
+    except ConfigError:
+        raise
+    except Exception as error:  # torch.load's zoo: OSError, pickle, zip, Runtime, Key errors
+        raise ConfigError(f"cannot read model {path}: {error}") from error
+
+
+class PredictorService:
+    """Learner, tracker and placement policy of one daemon; see the module docstring.
+
+    ``policy`` must be the store's eviction policy (``TieredStore(policy=...)``),
+    so the service exists before the store and is ``attach``-ed to it after.
+    """
+
+    def __init__(
+        self,
+        config: PredictorConfig,
+        data_dir: Path,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.path = data_dir / MODEL_FILE
+        model, self.source = load_model(config, self.path)
+        self.scores = PrequentialScores()
+        self.learner = OnlineLearner(model, SessionTracker(), self.scores, learn_at_horizon=True)
+        self.policy = PlacementPolicy()
+        self.processed = 0
+        self.dropped = 0
+        self.failed = 0
+        self.saves = 0
+        self.placements: Counter[str] = Counter()
+        self._driver: SessionDriver | None = None
+        self._clock = clock
+        self._offset: float | None = None  # event clock = clock() + offset
+        self._queue: asyncio.Queue[SessionEvent] = asyncio.Queue(config.queue_size)
+        self._stopping = asyncio.Event()
+        self._lock = threading.Lock()
+        self._puts: OrderedDict[str, tuple[bytes, tuple[ChunkKey, ...]]] = OrderedDict()
+
+    @property
+    def model(self) -> ReturnModel:
+        return self.learner.model
+
+    def attach(self, store: TieredStore) -> None:
+        """Drive ``store``, whose eviction policy is ``self.policy``."""
+        self._driver = SessionDriver(store, self.policy, self.learner)
+
+    # -- the event loop's side ----------------------------------------------------
+
+    def submit(self, event: SessionEvent) -> bool:
+        """Queue an event; False (and counted) if the queue is full."""
+        try:
+            self._queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            return False
+        return True
+
+    def saw_put(self, session: str | None, namespace: bytes, keys: tuple[ChunkKey, ...]) -> None:
+        """Remember the chain a session just stored: its chain for events without keys."""
+        if session is None or not keys:
+            return
+        self._puts[session] = (namespace, keys)
+        self._puts.move_to_end(session)
+        if len(self._puts) > _PUT_CHAINS:
+            self._puts.popitem(last=False)
+
+    def now(self) -> float | None:
+        """The event clock (None before the first event)."""
+        return None if self._offset is None else self._clock() + self._offset
+
+    async def lifecycle(self, _app: object) -> AsyncIterator[None]:
+        """``cleanup_ctx``: run the queue and the timer; at exit, stop and save."""
+        task = asyncio.create_task(self._run(), name="kvstore-predictor")
+        yield
+        self._stopping.set()
+        await task
+        await asyncio.to_thread(self.save)
+
+    async def _run(self) -> None:
+        config = self.config
+        next_tick = self._clock() + config.tick_s
+        next_save = self._clock() + config.save_interval_s
+        while not self._stopping.is_set():
+            batch = await self._next_batch(max(0.0, next_tick - self._clock()))
+            for event in batch:  # the clock follows the events, in arrival order
+                self._advance(event.time)
+            due = self._clock() >= next_tick
+            if due:
+                next_tick = self._clock() + config.tick_s
+            if batch or due:
+                await asyncio.to_thread(self._work, batch, self.now() if due else None)
+            if self._clock() >= next_save:
+                next_save = self._clock() + config.save_interval_s
+                await asyncio.to_thread(self.save)
+
+    async def _next_batch(self, timeout: float) -> list[SessionEvent]:
+        """Up to ``_BATCH`` queued events; waits up to ``timeout`` for the first."""
+        queue = self._queue
+        if queue.empty():
+            getter = asyncio.ensure_future(queue.get())
+            stopper = asyncio.ensure_future(self._stopping.wait())
+            await asyncio.wait(
+                {getter, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            stopper.cancel()
+            if not getter.done():
+                getter.cancel()
+                return []
+            batch = [getter.result()]
+        else:
+            batch = []
+        while len(batch) < _BATCH and not queue.empty():
+            batch.append(queue.get_nowait())
+        return batch
+
+    def _advance(self, when: float) -> None:
+        offset = when - self._clock()
+        if self._offset is None or offset > self._offset:
+            self._offset = offset
+
+    # -- worker threads -----------------------------------------------------------
+
+    def _work(self, batch: list[SessionEvent], tick: float | None) -> None:
+        """Apply events in order, then the tick; a failure costs one event, not the daemon."""
+        driver = self._driver
+        assert driver is not None, "attach() the store first"
+        with self._lock:
+            for event in batch:
+                try:
+                    with driver.store.locked():
+                        self._apply(driver, event)
+                    self.processed += 1
+                except Exception:  # a background task: log, count, carry on serving
+                    self.failed += 1
+                    log.exception("predictor: %s of %r failed", event.kind.value, event.session)
+            if tick is not None:
+                try:
+                    with driver.store.locked():
+                        driver.tick(tick)
+                    self._forget_idle(driver, tick)
+                except Exception:  # as above: the next tick tries again
+                    self.failed += 1
+                    log.exception("predictor: the tick at %.3f failed", tick)
+
+    def _apply(self, driver: SessionDriver, event: SessionEvent) -> None:
+        keys, namespace = event.keys, event.namespace
+        session = event.session
+        if session == UNNAMED:
+            session = driver.tracker.infer(keys) or f"inferred-{keys[-1].hex()}"
+            event = dataclasses.replace(event, session=session)
+        if not keys and session in self._puts:
+            namespace, keys = self._puts[session]
+        if isinstance(event, RequestStarted):
+            state = driver.started(event, keys, namespace)
+            driver.resumed(state, event.time)
+            return
+        placement = driver.finished(event, keys, namespace)
+        if placement is not None:
+            label = placement.placed.label if placement.placed is not None else "none"
+            self.placements[label] += 1
+
+    def _forget_idle(self, driver: SessionDriver, now: float) -> None:
+        for state in driver.tracker.idle():
+            assert state.idle_since is not None
+            if now - state.idle_since > self.config.forget_after_s:
+                driver.forget(state.session)
+                self._puts.pop(state.session, None)
+
+    def save(self) -> None:
+        """Write the model atomically (a crash mid-save leaves the previous file); a
+        failure is logged, and the next save tries again."""
+        with self._lock:
+            partial = self.path.with_suffix(".partial")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.model.save(partial)
+                os.replace(partial, self.path)
+            except OSError as error:
+                log.error("predictor: cannot save the model to %s: %s", self.path, error)
+                return
+            self.saves += 1
+
+    # -- reading ------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters, quality per horizon and model facts, for ``/v1/stats`` and ``/metrics``.
+
+        ``quality[horizon][predictor|base_rate|last_gap]`` holds ``auc``,
+        ``brier`` and ``log_loss`` (None until defined); ``n`` labels so far.
+        """
+        with self._lock:
+            report = self.scores.report()
+            idle = len(self.learner.tracker.idle())
+            placements = dict(self.placements)
+        quality: dict[str, dict[str, Any]] = {}
+        for horizon, n in report.get("n", {}).items():
+            entry: dict[str, Any] = {
+                "n": int(n),
+                "positive_rate": _finite(report["positive_rate"][horizon]),
+            }
+            for name, prefix in _BASELINES:
+                entry[name] = {
+                    metric: _finite(report[prefix + metric][horizon])
+                    for metric in ("auc", "brier", "log_loss")
+                }
+            quality[horizon] = entry
+        return {
+            "enabled": True,
+            "events_processed": self.processed,
+            "events_dropped": self.dropped,
+            "events_failed": self.failed,
+            "events_queued": self._queue.qsize(),
+            "idle_sessions": idle,
+            "horizons_s": list(self.model.horizons),
+            "quality": quality,
+            "placements": placements,
+            "demoted_chunks": self.policy.demoted,
+            "prefetches": self.policy.prefetches.to_dict(),
+            "model": {
+                "source": self.source,
+                "path": str(self.path),
+                "saves": self.saves,
+                "features": self.model.n_features,
+                "hidden": self.model.hidden,
+            },
+        }
+
+    def session(self, name: str) -> dict[str, Any] | None:
+        """What the predictor knows of one session, with where its chain lies now."""
+        driver = self._driver
+        assert driver is not None, "attach() the store first"
+        with self._lock:
+            state = driver.tracker.get(name)
+            if state is None:
+                return None
+            forecast = self.learner.forecast(name)
+            chain, digest = state.chain, state.namespace
+            body: dict[str, Any] = {
+                "session": name,
+                "active": state.active,
+                "requests": state.requests,
+                "idle_since": state.idle_since,
+                "gaps": len(state.gaps),
+                "forecast": None
+                if forecast is None
+                else {
+                    "at": forecast.at,
+                    "horizons_s": list(forecast.horizons),
+                    "p_return": list(forecast.probabilities),
+                },
+            }
+        body["chain"] = None if digest is None else _where(driver.store, digest, chain)
+        return body
+
+
+def _where(store: TieredStore, digest: bytes, chain: tuple[ChunkKey, ...]) -> dict[str, Any]:
+    """How many chunks of ``chain`` each tier holds as the fastest copy."""
+    chain = chain[: store.config.max_batch_chunks]
+    try:
+        located = store.locate(store.namespace(digest), chain)
+    except UnknownNamespace:
+        located = [None] * len(chain)
+    tiers = Counter(kind.label if kind is not None else "missing" for kind in located)
+    return {"namespace": digest.hex(), "chunks": len(chain), "tiers": dict(tiers)}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

@@ -1,0 +1,235 @@
+"""The daemon's predictor service in-process: a real ``TieredStore`` (DRAM arena + LMDB)
+whose eviction policy is the service's ``PlacementPolicy``, events through the real
+queue and task (``lifecycle``), the real learner and tracker. The daemon subprocess
+tests (test_server_predictor.py) cover the same paths over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from support import kv
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
+from kvstore.events import UNNAMED, RequestFinished, RequestStarted, SessionEvent, Trigger
+from kvstore.keys import ChunkKey, Namespace, chunk_keys
+from kvstore.predictor.features import feature_names
+from kvstore.predictor.model import ReturnModel, default_prior
+from kvstore.predictor.service import MODEL_FILE, PredictorService, load_model
+from kvstore.server.config import PredictorConfig
+from kvstore.store import TieredStore
+from kvstore.tiers.base import TierKind
+
+T0 = 1_800_000_000.0
+DRAM_SLOTS = 20
+
+
+def pessimist(path: Path) -> Path:
+    """A model that expects nobody back: P(return) of 1%, 2%, 3% at 1 min, 10 min, 1 h."""
+    ReturnModel(len(feature_names()), prior=(0.01, 0.02, 0.03)).save(path)
+    return path
+
+
+def started(session: str, at: float, **chain: object) -> RequestStarted:
+    return RequestStarted(session, Trigger.USER, 1000, 0, at, **chain)  # type: ignore[arg-type]
+
+
+def finished(session: str, at: float, **chain: object) -> RequestFinished:
+    return RequestFinished(session, 1, 50, 1050, False, 0, 1000, at, **chain)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def ns() -> Namespace:
+    return kv.namespace(salt="predictor-service")
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[Callable[[PredictorService], TieredStore]]:
+    """A DRAM (20 slots) + LMDB store whose policy is the service's, attached to it."""
+    stores: list[TieredStore] = []
+
+    def make(service: PredictorService) -> TieredStore:
+        config = StoreConfig(
+            tiers=(kv.dram(DRAM_SLOTS), kv.ssd(tmp_path / "lmdb")), data_dir=tmp_path
+        )
+        store = TieredStore(config, policy=service.policy)
+        service.attach(store)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+@asynccontextmanager
+async def running(service: PredictorService) -> AsyncIterator[PredictorService]:
+    """The service's ``cleanup_ctx`` lifecycle, as the app runs it."""
+    lifecycle = service.lifecycle(None)
+    await anext(lifecycle)
+    try:
+        yield service
+    finally:
+        with pytest.raises(StopAsyncIteration):
+            await anext(lifecycle)
+
+
+async def feed(service: PredictorService, events: list[SessionEvent]) -> None:
+    """Submit ``events`` and wait until the service has handled all of them."""
+    target = service.processed + len(events)
+    for event in events:
+        assert service.submit(event)
+    for _ in range(500):
+        if service.processed >= target:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"processed {service.processed} of {target} events")
+
+
+def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
+    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore], ns: Namespace
+) -> None:
+    config = PredictorConfig(weights=pessimist(tmp_path / "pessimist.pt"), tick_s=0.05)
+    service = PredictorService(config, tmp_path)
+    store = make_store(service)
+    busy = chunk_keys(ns, kv.tokens(12, 0))
+    idle = chunk_keys(ns, kv.tokens(8, 50_000))
+    store.put(ns, busy, kv.chunks(12), session="busy")
+    store.put(ns, idle, kv.chunks(8, seed=1), session="idle")  # DRAM is now full
+    service.saw_put("idle", ns.digest, tuple(idle))  # as the put route does
+
+    async def scenario() -> None:
+        async with running(service):
+            await feed(
+                service, [started("busy", T0), started("idle", T0), finished("idle", T0 + 5)]
+            )
+            # Under pressure, below a running session: out of DRAM at once, to the last tier.
+            assert store.locate(ns, idle) == [TierKind.SSD] * 8
+            assert store.locate(ns, busy) == [TierKind.DRAM] * 12
+            info = service.session("idle")
+            assert info is not None and info["chain"]["tiers"] == {"ssd": 8}
+            assert info["forecast"]["p_return"] == pytest.approx([0.01, 0.02, 0.03], abs=1e-6)
+            # The human is back: the chain goes up before the engine looks it up.
+            await feed(service, [started("idle", T0 + 100)])
+            assert store.locate(ns, idle) == [TierKind.DRAM] * 8
+            assert all(chunk is not None for chunk in store.get(ns, idle))
+
+    asyncio.run(scenario())
+    snapshot = service.snapshot()
+    assert snapshot["placements"] == {"ssd": 1} and snapshot["demoted_chunks"] == 8
+    assert snapshot["prefetches"] == {"issued": 8, "used": 8, "wasted": 0, "pending": 0}
+    assert snapshot["events_processed"] == 4 and snapshot["events_failed"] == 0
+    assert (tmp_path / MODEL_FILE).exists()  # saved at shutdown
+
+
+def test_labels_are_learnt_when_returns_and_horizons_reveal_them(
+    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore]
+) -> None:
+    """Ten sessions come back after 30 s, ten never do: once every horizon has passed
+    (the event clock follows the events' times), each horizon has 20 labels, half 1."""
+    service = PredictorService(PredictorConfig(tick_s=0.05), tmp_path)
+    make_store(service)
+    events: list[SessionEvent] = []
+    for i in range(20):
+        at = T0 + 10 * i
+        events += [started(f"s{i}", at), finished(f"s{i}", at + 5)]
+        if i % 2 == 0:
+            events.append(started(f"s{i}", at + 35))  # back within a minute, still running
+    events.sort(key=lambda event: event.time)
+    prior = service.model.predict(service.model.feature_mean.numpy())
+
+    async def scenario() -> None:
+        async with running(service):
+            await feed(service, events)
+            # The stream spans 235 s: only 60-s horizons can have closed yet.
+            assert set(service.snapshot()["quality"]) == {"60"}
+            await feed(service, [started("late", T0 + 4000)])  # every horizon has passed
+
+    asyncio.run(scenario())
+    quality = service.snapshot()["quality"]
+    assert set(quality) == {"60", "600", "3600"}
+    for entry in quality.values():
+        assert entry["n"] == 20 and entry["positive_rate"] == 0.5
+        assert set(entry) == {"n", "positive_rate", "predictor", "base_rate", "last_gap"}
+        assert entry["predictor"]["brier"] is not None and entry["base_rate"]["auc"] is not None
+    assert service.model.predict(service.model.feature_mean.numpy()) != pytest.approx(prior)
+
+
+def test_unnamed_events_are_tied_to_sessions_by_their_chains(
+    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore], ns: Namespace
+) -> None:
+    service = PredictorService(PredictorConfig(tick_s=0.05), tmp_path)
+    make_store(service)
+    turn = chunk_keys(ns, kv.tokens(8, 0))
+    other = chunk_keys(ns, kv.tokens(3, 90_000))
+
+    def chain(keys: list[ChunkKey]) -> dict[str, object]:
+        return {"namespace": ns.digest, "keys": tuple(keys)}
+
+    async def scenario() -> None:
+        async with running(service):
+            await feed(
+                service,
+                [
+                    started(UNNAMED, T0, **chain(turn[:3])),
+                    finished(UNNAMED, T0 + 5, **chain(turn[:5])),  # prompt + answer
+                    started(UNNAMED, T0 + 60, **chain(turn[:8])),  # the follow-up extends it
+                    started(UNNAMED, T0 + 61, **chain(other)),  # a new conversation
+                ],
+            )
+
+    asyncio.run(scenario())
+    first = service.session(f"inferred-{turn[2].hex()}")
+    assert first is not None and first["requests"] == 2 and first["gaps"] == 1
+    assert first["chain"]["chunks"] == 8
+    second = service.session(f"inferred-{other[-1].hex()}")
+    assert second is not None and second["requests"] == 1
+
+
+def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
+    service = PredictorService(PredictorConfig(queue_size=2), tmp_path)
+    assert [service.submit(started("a", T0 + i)) for i in range(3)] == [True, True, False]
+    assert service.snapshot()["events_dropped"] == 1
+
+
+def test_the_model_comes_from_the_saved_file_then_weights_then_the_prior(tmp_path: Path) -> None:
+    saved = tmp_path / MODEL_FILE
+    weights = pessimist(tmp_path / "pessimist.pt")
+    width = len(feature_names())
+    model, source = load_model(PredictorConfig(horizons_s=(30.0, 300.0)), saved)
+    assert source == "prior" and model.horizons == (30.0, 300.0)
+    assert model.predict(model.feature_mean.numpy()) == pytest.approx(default_prior((30, 300)))
+    model, source = load_model(PredictorConfig(weights=weights), saved)
+    assert source == "weights"
+    saved.parent.mkdir()
+    ReturnModel(width, hidden=4).save(saved)
+    model, source = load_model(PredictorConfig(weights=weights), saved)
+    assert source == "saved" and model.hidden == 4
+    # A saved model for another feature list is set aside, not trusted.
+    ReturnModel(width + 1).save(saved)
+    model, source = load_model(PredictorConfig(weights=weights), saved)
+    assert source == "weights" and saved.with_suffix(".stale").exists() and not saved.exists()
+    saved.write_bytes(b"not a model")
+    assert load_model(PredictorConfig(), saved)[1] == "prior"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"garbage", "cannot read model"), (None, "takes \\d+ features")],
+)
+def test_unusable_weights_are_config_errors(
+    tmp_path: Path, content: bytes | None, message: str
+) -> None:
+    weights = tmp_path / "weights.pt"
+    if content is None:
+        ReturnModel(len(feature_names()) + 1).save(weights)
+    else:
+        weights.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_model(PredictorConfig(weights=weights), tmp_path / MODEL_FILE)
+    with pytest.raises(ConfigError, match="cannot read model"):
+        load_model(PredictorConfig(weights=tmp_path / "missing.pt"), tmp_path / MODEL_FILE)

@@ -1,0 +1,250 @@
+"""The predictor inside a real ``kvstore serve`` subprocess: events posted over the Unix
+socket are learnt from and acted on in the real store; quality shows in ``/v1/stats``,
+``kvstore stats`` and ``/metrics``; the model survives SIGTERM and a restart; a model
+from ``kvstore train-predictor`` starts a daemon.
+
+Event times are given (the ``time`` field): the daemon's predictor runs on the clock
+of the events it receives, so an hour of idle time is one event an hour later.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import kv
+from support.daemon import Daemon, DaemonStartError
+from support.http_kv import frames_body, get_bytes, lookup, make_chain, put_raw, register
+
+from kvstore.cli import format_stats, main
+from kvstore.events import RequestFinished, RequestStarted, SessionEvent, Trigger
+from kvstore.predictor.features import feature_names, feature_vector
+from kvstore.predictor.model import ReturnModel, default_prior
+from kvstore.predictor.service import MODEL_FILE
+from kvstore.predictor.sessions import SessionTracker
+
+T0 = 1_800_000_000.0
+STORE_TOML = """\
+data_dir = "{{data_dir}}"
+
+[tiers.dram]
+capacity = {dram_bytes}
+
+[tiers.ssd]
+capacity = "64MiB"
+
+[predictor]
+tick_s = 0.1
+{predictor}
+"""
+
+
+def config(dram_slots: int = 64, **predictor: Any) -> str:
+    lines = "\n".join(f"{name} = {json.dumps(value)}" for name, value in predictor.items())
+    return STORE_TOML.format(dram_bytes=dram_slots * kv.ARENA_SLOT, predictor=lines)
+
+
+def post(client: httpx.Client, *events: SessionEvent) -> None:
+    for event in events:
+        response = client.post("/v1/events", json=event.to_json())
+        assert response.status_code == 200 and response.json() == {"accepted": True}
+
+
+def started(session: str, at: float) -> RequestStarted:
+    return RequestStarted(session, Trigger.USER, 1000, 0, at)
+
+
+def finished(session: str, at: float) -> RequestFinished:
+    return RequestFinished(session, 2, 80, 1080, False, 0, 1000, at)
+
+
+def stats(client: httpx.Client, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """``/v1/stats`` once ``until(predictor part)`` holds (the queue is worked off)."""
+    deadline = time.monotonic() + 20.0
+    while True:
+        body = client.get("/v1/stats").json()
+        if until(body["predictor"]) or time.monotonic() > deadline:
+            assert until(body["predictor"]), body["predictor"]
+            return body
+        time.sleep(0.05)
+
+
+def processed(count: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda predictor: predictor["events_processed"] >= count
+
+
+def session(client: httpx.Client, name: str) -> dict[str, Any]:
+    response = client.get(f"/v1/sessions/{name}")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert isinstance(body, dict)
+    return body
+
+
+def test_the_daemon_learns_reports_and_keeps_its_model_across_a_restart(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    daemon = daemon_factory(config())
+    events: list[SessionEvent] = []
+    for i in range(20):  # ten come back after 30 s, ten never do
+        at = T0 + 10 * i
+        events += [started(f"s{i}", at), finished(f"s{i}", at + 5)]
+        if i % 2 == 0:
+            events.append(started(f"s{i}", at + 35))
+    events.sort(key=lambda event: event.time)
+    # An hour later every horizon has passed; the probe goes idle after all labels are known.
+    events += [started("probe", T0 + 4000), finished("probe", T0 + 4010)]
+    with daemon.client() as client:
+        post(client, *events)
+        body = stats(client, processed(len(events)))
+        predictor = body["predictor"]
+        assert predictor["model"]["source"] == "prior" and predictor["events_failed"] == 0
+        for horizon in ("60", "600", "3600"):
+            entry = predictor["quality"][horizon]
+            assert entry["n"] == 20 and entry["positive_rate"] == 0.5
+        table = format_stats(body)
+        assert "quality: predictor / base rate / last gap short" in table
+        assert "3600 s" in table and "model from prior" in table
+
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        scores = {
+            (s.labels["horizon"], s.labels["model"]): s.value
+            for s in families["kvstore_predictor_brier"].samples
+        }
+        assert set(scores) == {
+            (h, m) for h in ("60", "600", "3600") for m in ("predictor", "base_rate", "last_gap")
+        }
+        auc = families["kvstore_predictor_auc"].samples
+        assert {s.labels["model"] for s in auc} == {"predictor", "base_rate", "last_gap"}
+        labels = {
+            s.labels["horizon"]: s.value for s in families["kvstore_predictor_labels"].samples
+        }
+        assert labels == {"60": 20.0, "600": 20.0, "3600": 20.0}
+        prefetches = families["kvstore_predictor_prefetches"].samples
+        assert {s.labels["outcome"] for s in prefetches} == {"issued", "used", "wasted"}
+        before = session(client, "probe")["forecast"]
+    assert before["at"] == T0 + 4010
+    assert before["p_return"] != pytest.approx(default_prior(before["horizons_s"]), abs=1e-4)
+
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert (daemon.data_dir / MODEL_FILE).exists()
+    daemon.start()
+    with daemon.client() as client:
+        post(client, started("probe-again", T0 + 4000), finished("probe-again", T0 + 4010))
+        assert stats(client, processed(2))["predictor"]["model"]["source"] == "saved"
+        after = session(client, "probe-again")["forecast"]
+    assert after["p_return"] == pytest.approx(before["p_return"], abs=1e-6)
+
+
+def test_an_idle_chain_is_demoted_and_a_resume_brings_it_back(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """DRAM holds 20 chunks and is full; the model expects nobody back. The idle
+    session's chain leaves DRAM for LMDB at once; its next request brings it back up
+    before the engine looks it up, and the engine's get reads it there (used)."""
+    weights = tmp_path / "pessimist.pt"
+    ReturnModel(len(feature_names()), prior=(0.01, 0.02, 0.03)).save(weights)
+    daemon = daemon_factory(config(dram_slots=20, weights=str(weights)))
+    ns = kv.namespace(salt="demote")
+    busy, idle = make_chain(ns, 12), make_chain(ns, 8, start=50_000, seed=1)
+    with daemon.client() as client:
+        register(client, ns)
+        for name, chain in (("busy", busy), ("idle", idle)):
+            response = put_raw(client, frames_body(ns, chain.keys, chain.blocks, session=name))
+            assert response.status_code == 200 and response.json() == {"stored": len(chain.keys)}
+        post(client, started("busy", T0), started("idle", T0), finished("idle", T0 + 5))
+        stats(client, processed(3))
+        assert session(client, "idle")["chain"]["tiers"] == {"ssd": 8}  # from the put's chain
+        assert lookup(client, ns, idle.keys)["tiers"] == ["ssd"] * 8
+        assert lookup(client, ns, busy.keys)["tiers"] == ["dram"] * 12
+        predictor = stats(client, processed(3))["predictor"]
+        assert predictor["placements"] == {"ssd": 1} and predictor["demoted_chunks"] == 8
+
+        post(client, started("idle", T0 + 600))
+        stats(client, processed(4))
+        assert lookup(client, ns, idle.keys)["tiers"] == ["dram"] * 8
+        _, blocks = get_bytes(client, ns, idle.keys)
+        assert blocks == idle.blocks
+        predictor = stats(client, lambda p: p["prefetches"]["used"] == 8)["predictor"]
+        assert predictor["prefetches"] == {"issued": 8, "used": 8, "wasted": 0, "pending": 0}
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    used = [s for s in families["kvstore_predictor_prefetches"].samples if s.name.endswith("total")]
+    assert {s.labels["outcome"]: s.value for s in used} == {"issued": 8, "used": 8, "wasted": 0}
+    placed = families["kvstore_predictor_placements"].samples
+    assert [(s.labels["tier"], s.value) for s in placed if s.name.endswith("total")] == [("ssd", 1)]
+
+
+def test_a_model_from_train_predictor_starts_a_daemon(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = []
+    for i in range(30):  # one-block prompts that grow by a block each turn, 40 s apart
+        base = 100 * i
+        for turn in range(3):
+            rows.append(
+                {
+                    "timestamp": int((i * 7 + turn * 40) * 1000),
+                    "input_length": 512 * (turn + 1),
+                    "output_length": 50,
+                    "hash_ids": [base + j for j in range(turn + 1)],
+                }
+            )
+    rows.sort(key=lambda row: row["timestamp"])
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    weights = tmp_path / "trained.pt"
+    assert main(["train-predictor", str(trace), "--out", str(weights), "--format", "mooncake"]) == 0
+    trained = ReturnModel.load(weights)
+
+    daemon = daemon_factory(config(weights=str(weights)))
+    with daemon.client() as client:
+        post(client, started("probe", T0), finished("probe", T0 + 10))
+        assert stats(client, processed(2))["predictor"]["model"]["source"] == "weights"
+        forecast = session(client, "probe")["forecast"]
+    # The same session seen in-process gives the trained model's answer.
+    tracker = SessionTracker()
+    tracker.started(started("probe", T0))
+    state = tracker.finished(finished("probe", T0 + 10))
+    expected = trained.predict(feature_vector(state, T0 + 10, tracker))
+    assert forecast["p_return"] == pytest.approx(list(expected), abs=1e-6)
+
+
+def test_unusable_weights_stop_the_daemon_with_a_clear_error(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    weights = tmp_path / "garbage.pt"
+    weights.write_bytes(b"not a model")
+    daemon = daemon_factory(config(weights=str(weights)), start=False)
+    with pytest.raises(DaemonStartError) as failure:
+        daemon.start()
+    assert failure.value.returncode == 1
+    assert "predictor: predictor.weights: cannot read model" in failure.value.output
+
+
+def test_a_disabled_predictor_keeps_lru_and_only_records_events(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    daemon = daemon_factory(config(enabled=False))
+    with daemon.client() as client:
+        post(client, started("quiet", T0), finished("quiet", T0 + 1))
+        body = client.get("/v1/stats").json()
+        assert body["predictor"] == {"enabled": False}
+        assert body["daemon"]["events_received"] == 2
+        missing = client.get("/v1/sessions/quiet")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        assert "predictor disabled" in format_stats(body)
+        metrics = client.get("/metrics").text
+    assert "kvstore_predictor_" not in metrics
+
+
+def test_unknown_sessions_are_404(daemon: Daemon) -> None:
+    with daemon.client() as client:
+        response = client.get("/v1/sessions/nobody-ever")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
