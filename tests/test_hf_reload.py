@@ -1,0 +1,120 @@
+"""Reload instead of recompute with real transformers models: same logits, same tokens.
+
+Exactness, and where it stops: the loaded KV is always bit-identical to a
+full recompute's (asserted). The logits of the uncached suffix are then
+bit-identical too whenever the suffix is a multiple of 4 tokens; for other
+lengths MKL's GEMM blocks rows differently, so ``x[:m] @ W`` differs from
+``(x @ W)[:m]`` in the last bit for *any* two forwards of different lengths,
+kvstore or not. Those cases assert tight closeness and identical greedy tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support import hf_models
+from support.hf_models import CHUNK
+
+from kvstore.client.hf import HFKVStore
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(hf_models.ARCHITECTURES))
+def test_reloaded_prefix_gives_bit_identical_kv_and_logits(arch: str, tmp_path: Path) -> None:
+    model = hf_models.model(arch)
+    ids = hf_models.prompt(3 * CHUNK + 8)
+    expected = hf_models.full_logits(model, ids)
+    with hf_models.embedded(tmp_path) as client:
+        kv = HFKVStore(model, client, chunk_tokens=CHUNK)
+        first = kv.prefill(ids)
+        assert first.report.loaded_tokens == 0
+        assert torch.equal(first.logits, expected)
+        assert kv.save(ids, first.cache) == 3
+
+        for layerwise in (False, True):
+            again = kv.prefill(ids, layerwise=layerwise)
+            assert again.report.loaded_tokens == 3 * CHUNK
+            assert again.report.recomputed_tokens == 8
+            assert again.report.layerwise is layerwise
+            assert torch.equal(again.logits, expected[:, 3 * CHUNK :])
+            for loaded, computed in zip(again.cache.layers, first.cache.layers, strict=True):
+                assert torch.equal(loaded.keys, computed.keys)
+                assert torch.equal(loaded.values, computed.values)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_generate_matches_plain_generate_and_saves_prompt_and_output(
+    arch: str, tmp_path: Path
+) -> None:
+    model = hf_models.model(arch)
+    ids = hf_models.prompt(2 * CHUNK + 5)
+    reference = hf_models.greedy(model, ids, 20)
+    with hf_models.embedded(tmp_path) as client:
+        kv = HFKVStore(model, client, chunk_tokens=CHUNK)
+        cold = kv.generate(ids, max_new_tokens=20, do_sample=False)
+        assert torch.equal(cold.sequences, reference)
+        # 37 prompt + 20 output tokens; the cache holds 56 of them: 3 full chunks.
+        assert (cold.report.saved_chunks, cold.report.output_tokens) == (3, 20)
+        warm = kv.generate(ids, max_new_tokens=20, do_sample=False)
+        assert torch.equal(warm.sequences, reference)
+        assert (warm.report.loaded_tokens, warm.report.recomputed_tokens) == (2 * CHUNK, 5)
+        assert warm.report.saved_chunks == 0  # everything it computed was already stored
+        layerwise = kv.generate(ids, max_new_tokens=20, do_sample=False, layerwise=True)
+        assert torch.equal(layerwise.sequences, reference)
+        assert layerwise.report.loaded_tokens == 2 * CHUNK
+
+
+@pytest.mark.parametrize(
+    ("length", "loaded"),
+    [
+        (CHUNK - 6, 0),  # shorter than a chunk: nothing to key
+        # Exactly on a boundary: both chunks load, and the last token is dropped from
+        # the cache to be computed (the model needs its logits).
+        (2 * CHUNK, 2 * CHUNK - 1),
+        (2 * CHUNK + 1, 2 * CHUNK),  # one past: all full chunks load, one token computed
+    ],
+)
+def test_chunk_boundaries(length: int, loaded: int, tmp_path: Path) -> None:
+    model = hf_models.model("llama")
+    ids = hf_models.prompt(length)
+    expected = hf_models.full_logits(model, ids)
+    reference = hf_models.greedy(model, ids, 6)
+    with hf_models.embedded(tmp_path) as client:
+        kv = HFKVStore(model, client, chunk_tokens=CHUNK)
+        first = kv.prefill(ids)
+        kv.save(ids, first.cache)
+        for layerwise in (False, True):
+            again = kv.prefill(ids, layerwise=layerwise)
+            assert again.report.loaded_tokens == loaded
+            assert again.report.recomputed_tokens == length - loaded >= 1
+            close(again.logits, expected[:, loaded:])
+            generated = kv.generate(ids, max_new_tokens=6, do_sample=False, layerwise=layerwise)
+            assert torch.equal(generated.sequences, reference)
+            assert generated.report.loaded_tokens == loaded
+
+
+def test_multi_turn_conversation_reuses_the_growing_prefix(tmp_path: Path) -> None:
+    model = hf_models.model("qwen2")
+    conversation = hf_models.prompt(CHUNK + 9, seed=10)
+    expected_loaded = [0]
+    with hf_models.embedded(tmp_path) as client:
+        kv = HFKVStore(model, client, chunk_tokens=CHUNK)
+        for turn in range(4):
+            reference = hf_models.greedy(model, conversation, 10)
+            result = kv.generate(
+                conversation, max_new_tokens=10, do_sample=False, layerwise=turn % 2 == 1
+            )
+            assert torch.equal(result.sequences, reference)
+            assert result.report.loaded_tokens == expected_loaded[-1]
+            # The next turn can load every full chunk this one's cache held, the
+            # generated tokens included (their KV is the decode's, stored as computed).
+            held = result.sequences.shape[1] - 1
+            expected_loaded.append(held // CHUNK * CHUNK)
+            user = hf_models.prompt(7 + turn, seed=20 + turn)
+            conversation = torch.cat([result.sequences, user], dim=1)
+    assert expected_loaded[1:] == sorted(expected_loaded[1:]) and expected_loaded[-1] >= 4 * CHUNK
