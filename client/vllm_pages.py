@@ -1,0 +1,174 @@
+"""What the vLLM connector's two sides agree on: the page format, the namespace, the plan.
+
+Nothing here imports vLLM, so the scheduler side, the worker side and their
+tests share one definition of how a vLLM KV block becomes a kvstore chunk:
+
+* A chunk is one vLLM block of ``block_size`` tokens: the block's page of every
+  attention layer, in the KV cache group's layer order, each page copied as
+  the ``[H, N, C]`` logical view vLLM hands connectors. The bytes are opaque
+  to kvstore and round-trip exactly, whatever physical order the attention
+  backend keeps (``KVLayout.name`` is ``"vllm-page"`` so such chunks never mix
+  with chunks in kvstore's own ``LKTHD`` order).
+* A chunk's key is ``external_keys(namespace, [block_hash])`` of vLLM's own
+  chained block hash (``request.block_hashes``), so kvstore agrees with vLLM's
+  prefix cache on what a block is, ``cache_salt`` and multimodal inputs
+  included. The namespace binds the model, its revision, the tensor-parallel
+  rank, the page shape and dtype, the block size and the request's
+  ``cache_salt``.
+* ``BlockTransfer`` is what travels from the scheduler to the workers in the
+  connector metadata: which blocks of which request move, by hash and by
+  vLLM block id.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.keys import DTYPE_SIZES, ChunkKey, HashAlgo, KVLayout, Namespace, external_keys
+
+PAGE_LAYOUT = "vllm-page"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTransfer:
+    """Blocks ``first .. len(hashes) - 1`` of one request, to load or to save this step.
+
+    ``hashes`` are vLLM's hashes of the request's blocks from block 0 on (a put
+    names the whole chain so the store keeps parent links; a load uses only
+    the moving ones). ``block_ids[i]`` is the vLLM block that holds block
+    ``first + i``.
+    """
+
+    req_id: str
+    salt: str | None
+    hashes: tuple[bytes, ...]
+    first: int
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.block_ids) != len(self.hashes) - self.first or self.first < 0:
+            raise ConfigError(
+                f"transfer of request {self.req_id!r} names {len(self.block_ids)} block ids "
+                f"for blocks {self.first}..{len(self.hashes) - 1}"
+            )
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """One vLLM block's pages across all layers, as a kvstore layout.
+
+    Built from vLLM's ``KVCacheConfig`` on both sides, so the scheduler's
+    lookups and the workers' loads and saves use the same namespace.
+    """
+
+    model: str
+    layer_names: tuple[str, ...]
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ConfigError(
+                f"kvstore cannot store vLLM KV of dtype {self.dtype!r}; "
+                f"supported: {sorted(DTYPE_SIZES)}"
+            )
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> PageFormat:
+        """The format of ``kv_cache_config``'s one attention group; refuses the rest.
+
+        Hybrid models (several KV cache groups), MLA, padded pages and K/V of
+        different head sizes are refused with a ``ConfigError`` rather than
+        stored in a shape the other side could misread.
+        """
+        groups = list(kv_cache_config.kv_cache_groups)
+        if len(groups) != 1:
+            raise ConfigError(
+                f"the kvstore vLLM connector supports one KV cache group, this model has "
+                f"{len(groups)} (hybrid attention); run without it"
+            )
+        spec = groups[0].kv_cache_spec
+        for attribute in ("num_kv_heads", "head_size", "dtype"):
+            if not hasattr(spec, attribute):
+                raise ConfigError(f"unsupported KV cache spec {type(spec).__name__}")
+        if type(spec).__name__ not in ("FullAttentionSpec", "AttentionSpec"):
+            raise ConfigError(
+                f"the kvstore vLLM connector stores full-attention pages, not {type(spec).__name__}"
+            )
+        head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
+        if head_size_v != spec.head_size:
+            raise ConfigError("K and V of different head sizes are not supported")
+        dtype = str(spec.dtype).removeprefix("torch.")
+        model_config = vllm_config.model_config
+        pages = cls(
+            model=f"{model_config.model}@{model_config.revision or 'main'}",
+            layer_names=tuple(groups[0].layer_names),
+            num_kv_heads=int(spec.num_kv_heads),
+            head_size=int(spec.head_size),
+            dtype=dtype,
+            block_size=int(spec.block_size),
+            tp_rank=tp_rank,
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        )
+        if int(spec.page_size_bytes) != pages.page_bytes:
+            raise ConfigError(
+                f"vLLM pages of {spec.page_size_bytes} bytes are padded or packed; the "
+                f"connector stores plain pages of {pages.page_bytes} bytes"
+            )
+        return pages
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    @property
+    def page_elements(self) -> int:
+        """Elements of one layer's page: ``H * N * 2D``."""
+        return self.num_kv_heads * self.block_size * 2 * self.head_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elements * DTYPE_SIZES[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_size,
+            dtype=self.dtype,
+            chunk_tokens=self.block_size,
+            name=PAGE_LAYOUT,
+            page_tokens=self.block_size,
+        )
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019  (a few salts per deployment; frozen self)
+    def namespace(self, salt: str | None) -> Namespace:
+        """The namespace of requests with ``cache_salt`` ``salt``.
+
+        SHA-256 places vLLM's hashes inside it: they are SHA-256 themselves by
+        default, and wrapping them in a weaker hash would undo that.
+        """
+        return Namespace(
+            f"vllm:{self.model}:tp{self.tp_rank}/{self.tp_size}",
+            self.layout,
+            tenant_salt=salt,
+            hash_algo=HashAlgo.SHA256,
+        )
+
+    def keys(self, salt: str | None, hashes: tuple[bytes, ...] | list[bytes]) -> list[ChunkKey]:
+        return external_keys(self.namespace(salt), list(hashes))

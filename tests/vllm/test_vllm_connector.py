@@ -1,0 +1,217 @@
+"""vLLM (the CPU build) with ``KVStoreConnector`` over a real ``kvstore serve`` daemon.
+
+A random two-layer Llama saved with ``save_pretrained``; vLLM runs it with its
+scheduler in the EngineCore process and its worker in another, so the
+connector's two sides really talk only through vLLM's metadata and the
+daemon. Each test reads the daemon's own counters to see what was stored,
+served and found corrupt, and vLLM's ``num_cached_tokens`` to see where its
+prefill started.
+
+Run by ``make test-vllm`` (its own virtual environment); skipped where vLLM is
+not installed, as in the main suite.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# "vllm.config", not "vllm": on pytest's path this folder is a namespace package named vllm.
+pytest.importorskip("vllm.config", reason="vLLM is not installed here; `make test-vllm` runs these")
+
+import lmdb  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from support.daemon import Daemon, _socket_dir  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core import kv_cache_utils  # noqa: E402
+
+import kvstore  # noqa: E402
+from kvstore.block import HEADER_BYTES  # noqa: E402
+from kvstore.client.vllm_pages import PageFormat  # noqa: E402
+from kvstore.keys import ChunkKey, Namespace  # noqa: E402
+from kvstore.stats import StoreStats  # noqa: E402
+from kvstore.tiers.base import TierKind  # noqa: E402
+
+BLOCK = 32  # the CPU backend needs a multiple of 32
+PROMPT_TOKENS = 100  # three full blocks and a partial one
+FULL_BLOCKS = PROMPT_TOKENS // BLOCK
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# LMDB only: every read is verified, and the files can be damaged between runs.
+# Warnings raised inside these packages are theirs (see conftest.py); kvstore's stay errors.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:::(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"
+)
+SSD_ONLY = """\
+data_dir = "{data_dir}"
+
+[tiers.ssd]
+capacity = "256MiB"
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def store_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with _socket_dir() as socket_dir:
+        daemon = Daemon(tmp_path_factory.mktemp("kvstore"), socket_dir, config_text=SSD_ONLY)
+        try:
+            daemon.start()
+            yield daemon
+        finally:
+            daemon.close()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the workers inherit it
+    engine = LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="kvstore.client.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"url": store_daemon.url},
+        ),
+    )
+    try:
+        yield engine
+    finally:
+        core = engine.llm_engine.engine_core
+        core.shutdown()
+        core.ctx.destroy(linger=0)  # vLLM's sync client leaves its zmq context to the GC
+
+
+def prompt(seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 500, PROMPT_TOKENS)]
+
+
+def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
+    """Greedy output tokens and the tokens vLLM did not compute (its prefill start)."""
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], GREEDY, use_tqdm=False)
+    return list(output.outputs[0].token_ids), int(output.num_cached_tokens or 0)
+
+
+def stats(daemon: Daemon) -> StoreStats:
+    with kvstore.connect(daemon.url, timeout_s=10.0) as client:
+        return client.stats()
+
+
+def test_a_reset_prefix_is_loaded_from_kvstore_not_recomputed(
+    llm: Any, store_daemon: Daemon
+) -> None:
+    tokens = prompt(1)
+    before = stats(store_daemon)
+    first, cached_first = generate(llm, tokens)
+    stored = stats(store_daemon)
+    assert cached_first == 0
+    assert stored.chunks_stored - before.chunks_stored == FULL_BLOCKS
+
+    assert llm.reset_prefix_cache()
+    second, cached_second = generate(llm, tokens)
+    after = stats(store_daemon)
+
+    assert second == first
+    # vLLM's own cache was empty, so its prefill started past kvstore's blocks...
+    assert cached_second == FULL_BLOCKS * BLOCK
+    # ...which the daemon served, every one verified, none missing or stored again.
+    assert after.tiers[TierKind.SSD].hits - stored.tiers[TierKind.SSD].hits == FULL_BLOCKS
+    assert after.get_misses == stored.get_misses
+    assert after.chunks_stored == stored.chunks_stored
+
+
+def test_a_corrupt_block_is_recomputed_never_used(
+    llm: Any, store_daemon: Daemon, model_dir: Path
+) -> None:
+    tokens = prompt(2)
+    expected, _ = generate(llm, tokens)
+    namespace, keys = vllm_keys(model_dir, tokens)
+    with kvstore.connect(store_daemon.url) as client:
+        assert client.lookup(namespace, keys).num_chunks == FULL_BLOCKS  # keyed as vLLM hashes
+    damage_stored_block(store_daemon, namespace, keys[1])
+    before = stats(store_daemon)
+
+    assert llm.reset_prefix_cache()
+    got, _ = generate(llm, tokens)
+    after = stats(store_daemon)
+
+    assert got == expected
+    assert after.tiers[TierKind.SSD].corrupt_blocks - before.tiers[TierKind.SSD].corrupt_blocks == 1
+    # vLLM recomputed from the damaged block on and saved what it recomputed.
+    assert after.chunks_stored - before.chunks_stored == 1
+
+    assert llm.reset_prefix_cache()
+    again, cached = generate(llm, tokens)
+    assert again == expected
+    assert cached == FULL_BLOCKS * BLOCK
+    assert stats(store_daemon).get_misses == after.get_misses
+
+
+def vllm_keys(model_dir: Path, tokens: list[int]) -> tuple[Namespace, list[ChunkKey]]:
+    """The daemon's keys of ``tokens``' full blocks, from vLLM's block hashing run here,
+    outside the engine: SHA-256 chained over ``(parent, block tokens, extra keys)``."""
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    hashes: list[bytes] = []
+    parent = None
+    for start in range(0, FULL_BLOCKS * BLOCK, BLOCK):
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[start : start + BLOCK])
+        hashes.append(bytes(parent))
+    pages = PageFormat(
+        model=f"{model_dir}@main",
+        layer_names=("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"),
+        num_kv_heads=1,
+        head_size=64,
+        dtype="float32",
+        block_size=BLOCK,
+    )
+    return pages.namespace(None), pages.keys(None, hashes)
+
+
+def damage_stored_block(daemon: Daemon, namespace: Namespace, key: ChunkKey) -> None:
+    """Flip one payload bit of ``key``'s block, with the daemon stopped (as a disk
+    would), then start the daemon again."""
+    daemon.stop()
+    env = lmdb.open(str(daemon.data_dir / "lmdb"), subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            value = txn.get(namespace.digest + key)
+            assert value is not None, "the block to damage is not in LMDB"
+            position = HEADER_BYTES + 777
+            damaged = value[:position] + bytes([value[position] ^ 0x10]) + value[position + 1 :]
+            txn.put(namespace.digest + key, damaged)
+    finally:
+        env.close()
+    daemon.start()

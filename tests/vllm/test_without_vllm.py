@@ -1,0 +1,18 @@
+"""Where vLLM is not installed (the main suite), the connector module says so plainly."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+
+
+@pytest.mark.skipif(
+    # "vllm.config", not "vllm": on pytest's path this folder is a namespace package named vllm.
+    importlib.util.find_spec("vllm.config") is not None,
+    reason="vLLM is installed here",
+)
+def test_the_connector_module_names_what_is_missing() -> None:
+    with pytest.raises(ImportError, match=r"needs vLLM installed .*make install-vllm"):
+        importlib.import_module("kvstore.client.vllm")
