@@ -17,6 +17,7 @@ from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
 from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.failures import from_reply, from_transport
 from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
+from kvstore.client.put_body import PutBody
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError
 from kvstore.events import RequestFinished, RequestStarted, Trigger
@@ -226,8 +227,9 @@ class AsyncStoreClient:
         )
 
 
-async def _pieces(body: tuple[bytes | memoryview, ...]) -> AsyncIterator[bytes | memoryview]:
-    """A frames body as the async iterable httpx's ``AsyncClient`` sends."""
+async def _pieces(body: PutBody) -> AsyncIterator[bytes | memoryview]:
+    """A frames body as the async iterable httpx's ``AsyncClient`` sends (each block
+    is hashed as it is reached, on the loop, as the whole batch was before)."""
     for piece in body:
         yield piece
 

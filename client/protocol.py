@@ -48,7 +48,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvstore.block import encode_block
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.client.blocks import (
     DEFAULT_VERIFY,
@@ -61,6 +60,7 @@ from kvstore.client.blocks import (
 )
 from kvstore.client.buffers import BufferPool
 from kvstore.client.failures import from_reply, unavailable
+from kvstore.client.put_body import PutBody
 from kvstore.client.shm import SharedArena
 from kvstore.client.stats import ClientStats
 from kvstore.errors import (
@@ -73,18 +73,12 @@ from kvstore.errors import (
 from kvstore.events import SessionEvent
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.stats import StoreStats, TierCounters
-from kvstore.wire import API_PREFIX, FRAMES_CONTENT_TYPE, encode_frames, namespace_to_json
+from kvstore.wire import API_PREFIX, FRAMES_CONTENT_TYPE, namespace_to_json
 
 T = TypeVar("T")
 
 log = logging.getLogger("kvstore.client")
 _LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-# A put body goes out in views of at most this many bytes, never joined: h11
-# copies each piece it is given, and httpx's own transports copy the unsent rest
-# of a piece after every partial send, quadratic in the piece's size on a Unix
-# socket's ~200 KiB send buffer (``client.transports`` does not, but a caller
-# may pass another transport). Slices keep both copies small.
-BODY_SLICE_BYTES = 1 << 20
 # Bytes of plain gets' payload buffers a client keeps for reuse (``client.buffers``).
 BUFFER_POOL_BYTES = 256 << 20
 # Calls a shell sends in the background at once (``Call.wait=False``); past
@@ -108,7 +102,7 @@ class Call:
     method: str
     path: str
     json: Any = None
-    body: tuple[bytes | memoryview, ...] | None = None
+    body: PutBody | None = None
     sink: FramesSink | None = None
     retry: bool = True
     wait: bool = True
@@ -117,8 +111,7 @@ class Call:
     def headers(self) -> dict[str, str]:
         if self.body is None:
             return {}
-        length = sum(memoryview(piece).nbytes for piece in self.body)
-        return {"Content-Type": FRAMES_CONTENT_TYPE, "Content-Length": str(length)}
+        return {"Content-Type": FRAMES_CONTENT_TYPE, "Content-Length": str(self.body.nbytes)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +203,7 @@ class ClientProtocol:
             )
         if not kv_chunks:
             return 0
-        body = _frames_body(namespace, keys, kv_chunks, session)
+        body = _put_body(namespace, keys, kv_chunks, session)
         try:
             answer = yield from self._namespaced(namespace, lambda: _post("/put", body=body))
             return _field(answer, "stored", int)
@@ -416,45 +409,19 @@ def _get_request(namespace: Namespace, keys: list[ChunkKey], transfer: str) -> d
     }
 
 
-def _frames_body(
+def _put_body(
     namespace: Namespace,
     keys: list[ChunkKey],
     kv_chunks: Sequence[ChunkData | None],
     session: str | None,
-) -> tuple[bytes | memoryview, ...]:
-    """A put's frames body: chunk ``i`` as a complete block whose parent is key ``i-1``.
-
-    Every chunk is validated (``chunk_bytes``) before anything is sent; the
-    payloads are views of the caller's data, not copies (CPU tensors), in
-    slices of at most ``BODY_SLICE_BYTES``.
-    """
-    blocks = [
-        None
-        if chunk is None
-        else encode_block(
-            namespace,
-            keys[index],
-            keys[index - 1] if index else None,
-            chunk_bytes(chunk, namespace.layout),
-        )
-        for index, chunk in enumerate(kv_chunks)
+) -> PutBody:
+    """A put's frames body. Every chunk is validated (``chunk_bytes``) now, before
+    anything is sent; the payloads are views of the caller's data, not copies
+    (CPU tensors), hashed as they are sent (``client.put_body``)."""
+    payloads = [
+        None if chunk is None else chunk_bytes(chunk, namespace.layout) for chunk in kv_chunks
     ]
-    meta = {
-        "namespace": namespace.digest.hex(),
-        "session": session,
-        "blocks": [
-            {"key": key.hex(), "length": None if block is None else block.nbytes}
-            for key, block in zip(keys, blocks, strict=False)
-        ],
-    }
-    parts = [
-        part for block in blocks if block is not None for part in (block.header, block.payload)
-    ]
-    return tuple(
-        memoryview(piece)[start : start + BODY_SLICE_BYTES]
-        for piece in encode_frames(meta, parts)
-        for start in range(0, memoryview(piece).nbytes, BODY_SLICE_BYTES)
-    )
+    return PutBody(namespace, keys, payloads, session)
 
 
 def _checked(reply: Reply) -> Any:

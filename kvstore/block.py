@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -288,6 +289,28 @@ def copy_verified(
         )
     hasher = xxhash.xxh3_64(memoryview(header_bytes)[:_CHECKSUM_OFFSET])
     _copy_hashing(source, target, hasher)
+    _compare_checksum(hasher, memoryview(header_bytes), header.key)
+    return header
+
+
+def copy_parts_verified(
+    header_bytes: memoryview | bytes | bytearray,
+    sources: Sequence[memoryview],
+    destination: memoryview | bytearray,
+) -> BlockHeader:
+    """``copy_verified`` for a payload that arrived in pieces (a socket's reads):
+    the pieces are copied back to back into ``destination``, each step
+    checksummed right after it is copied, so they are never joined first."""
+    header = parse_header(header_bytes)
+    target = memoryview(destination).cast("B")
+    arrived = sum(source.nbytes for source in sources)
+    if arrived != header.payload_len or target.nbytes != header.payload_len:
+        raise CorruptBlock(f"payload is {arrived} bytes, header says {header.payload_len}")
+    hasher = xxhash.xxh3_64(memoryview(header_bytes)[:_CHECKSUM_OFFSET])
+    start = 0
+    for source in sources:
+        _copy_hashing(source, target[start : start + source.nbytes], hasher)
+        start += source.nbytes
     _compare_checksum(hasher, memoryview(header_bytes), header.key)
     return header
 

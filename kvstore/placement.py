@@ -19,6 +19,9 @@ Invariants kept here:
   than a tier keeps its head there and spills its tail down.
 * The index records a copy only after the tier accepted the write, so a
   reader never finds a key whose bytes are not all there.
+* A reserved extent (``reserve``: the daemon writes a block straight into
+  the arena as it arrives, ``kvstore.landing``) counts against capacity from
+  the moment it is reserved, and is in the index only once ``publish``ed.
 
 Every method expects the store lock to be held (the store owns it).
 """
@@ -29,14 +32,15 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.block import Block, encode_block, frame_block, parse_header, stored_block
+from kvstore.block import Block, Codec, encode_block, frame_block, parse_header, stored_block
 from kvstore.codec import CodecSpec, decode_payload, encode_payload
-from kvstore.errors import CorruptBlock, TierFull
+from kvstore.errors import CorruptBlock, TierError, TierFull
 from kvstore.guarded import GuardedTier
 from kvstore.index import BlockIndex, BlockMeta
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.policy import EvictionPolicy
 from kvstore.stats import StoreStats
+from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.base import TierKind
 
 
@@ -47,6 +51,17 @@ class Admission:
     key: ChunkKey
     block: Block
     parent: ChunkKey | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A block written into a reserved arena extent and not yet published: its key,
+    parent in the chain, and where it lies (``offset``, ``nbytes``)."""
+
+    key: ChunkKey
+    parent: ChunkKey | None
+    offset: int
+    nbytes: int
 
 
 class Placement:
@@ -187,6 +202,57 @@ class Placement:
                     need -= batch.pop().block.nbytes
         return batch
 
+    # -- reservations (blocks written in place) ----------------------------------
+
+    def reserve(self, kind: TierKind, nbytes: int, protect: frozenset[ChunkKey]) -> int | None:
+        """Reserve an extent of ``nbytes`` in arena tier ``kind``, evicting for it as an
+        admission would (never ``protect``); ``None`` if it cannot be made to fit or
+        ``kind`` is not an arena (the caller then admits the block the usual way).
+
+        The block is not verified yet, so eviction here only demotes: with no
+        tier below ``kind`` to write victims back to, only free space is used,
+        and a put that then fails has lost nobody's blocks.
+        """
+        guarded = self.tiers[kind]
+        tier = guarded.tier
+        if not isinstance(tier, ArenaTier) or nbytes > guarded.capacity_bytes():
+            return None
+        may_evict = self.below(kind) is not None
+        try:
+            while guarded.used_bytes() + nbytes > guarded.capacity_bytes():
+                if not (may_evict and self.evict_one(kind, protect)):
+                    return None
+            while (offset := tier.reserve(nbytes)) is None:  # fragmented: one more
+                if not (may_evict and self.evict_one(kind, protect)):
+                    return None
+        except TierError:
+            return None
+        return offset
+
+    def publish(
+        self, kind: TierKind, namespace: bytes, reserved: Sequence[Reserved], session: str | None
+    ) -> set[ChunkKey]:
+        """Make reserved, written and verified blocks visible: in the tier's index, then
+        in the store's (the order ``admit`` keeps). Returns their keys."""
+        if not reserved:
+            return set()
+        tier = self.tiers[kind].tier
+        assert isinstance(tier, ArenaTier), "only arena tiers hand out reservations"
+        tier.publish(namespace, [(entry.key, entry.offset, entry.nbytes) for entry in reserved])
+        counters = self._stats.tier(kind)
+        for entry in reserved:
+            self._index.record(kind, entry.key, namespace, entry.parent, entry.nbytes, session)
+            counters.bytes_written += entry.nbytes
+        self._policy.on_access(kind, [entry.key for entry in reserved], session)
+        return {entry.key for entry in reserved}
+
+    def unreserve(self, kind: TierKind, reserved: Sequence[int]) -> None:
+        """Give back reserved extents (by offset) that will not be published."""
+        if reserved:
+            tier = self.tiers[kind].tier
+            assert isinstance(tier, ArenaTier), "only arena tiers hand out reservations"
+            tier.unreserve(reserved)
+
     # -- eviction -------------------------------------------------------------
 
     def evict_one(self, kind: TierKind, protect: frozenset[ChunkKey] = frozenset()) -> bool:
@@ -280,6 +346,10 @@ class Placement:
         spec = self._codecs[kind]
         payload = memoryview(encode_payload(raw, namespace.layout.dtype, spec.codec, spec.level))
         return encode_block(namespace, key, parent, payload, codec=spec.codec, raw_len=raw.nbytes)
+
+    def codec(self, kind: TierKind) -> Codec:
+        """The codec tier ``kind`` stores payloads in."""
+        return self._codecs[kind].codec
 
     def reencode(self, block: Block, kind: TierKind) -> Block:
         """``block`` framed for tier ``kind``'s codec (itself if the codec matches)."""

@@ -38,6 +38,7 @@ import numpy as np
 from kvstore.block import (
     HEADER_BYTES,
     Block,
+    Codec,
     check_identity,
     encode_block,
     parse_header,
@@ -56,7 +57,7 @@ from kvstore.guarded import GuardedTier
 from kvstore.index import BlockIndex
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.maintenance import Maintenance
-from kvstore.placement import Admission, Placement
+from kvstore.placement import Admission, Placement, Reserved
 from kvstore.policy import EvictionPolicy, LRUPolicy
 from kvstore.reader import BlockReader
 from kvstore.stats import StoreStats
@@ -324,6 +325,61 @@ class TieredStore:
             return placement.reencode(present[index], placement.fastest)
 
         return self._store_chain(namespace, chain, list(present), frame, session)
+
+    def reserve_dram(self, nbytes: int, codec: Codec, protect: frozenset[ChunkKey]) -> int | None:
+        """An extent of the DRAM arena reserved for a received block of ``nbytes`` in
+        ``codec``, evicting for it as a put would (never ``protect``); ``None`` when
+        the block must go the usual way (DRAM is not the fastest tier, stores
+        another codec, or cannot make room). The caller owns the extent until it
+        hands it to ``put_landed`` or gives it back (``unreserve_dram``)."""
+        with self._lock:
+            placement = self._placement
+            if (
+                self._closed
+                or self._dram() is None
+                or placement.fastest is not TierKind.DRAM
+                or placement.codec(TierKind.DRAM) is not codec
+            ):
+                return None
+            return placement.reserve(TierKind.DRAM, nbytes, protect)
+
+    def dram_writable(self, offset: int, nbytes: int) -> memoryview:
+        """A writable view of a reserved DRAM extent, for its owner to fill."""
+        dram = self._dram()
+        assert dram is not None, "reserve_dram hands out extents only with a DRAM tier"
+        return dram.arena.writable(offset, nbytes)
+
+    def unreserve_dram(self, offsets: Sequence[int]) -> None:
+        with self._lock:
+            self._placement.unreserve(TierKind.DRAM, offsets)
+
+    def put_landed(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        blocks: Sequence[Block | Reserved | None],
+        *,
+        session: str | None = None,
+    ) -> int:
+        """``put_blocks`` for a put some of whose blocks were written into reserved DRAM
+        extents and verified there (``kvstore.landing``). Those are published,
+        unless their key is held already (then given back); the others are
+        stored as ``put_blocks`` stores them. Every reservation in ``blocks`` is
+        published or given back, whatever happens."""
+        reserved = [block for block in blocks if isinstance(block, Reserved)]
+        unpublished = {entry.offset for entry in reserved}
+        try:
+            others = [None if isinstance(block, Reserved) else block for block in blocks]
+            stored = self.put_blocks(namespace, keys, others, session=session)
+            with self._lock:
+                self._check_open()
+                fresh = [entry for entry in reserved if self._needs_storing(namespace, entry.key)]
+                published = self._placement.publish(TierKind.DRAM, namespace.digest, fresh, session)
+                unpublished -= {entry.offset for entry in fresh}
+                self._stats.chunks_stored += len(published)
+        finally:
+            self.unreserve_dram(sorted(unpublished))
+        return stored + len(published)
 
     def _needs_storing(self, namespace: Namespace, key: ChunkKey) -> bool:
         """Whether a put writes ``key``: it is not held, or held only in tiers that

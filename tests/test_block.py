@@ -20,6 +20,7 @@ from kvstore.block import (
     BlockHeader,
     Codec,
     check_identity,
+    copy_parts_verified,
     copy_verified,
     encode_block,
     frame_block,
@@ -299,6 +300,36 @@ def test_copy_verified_checks_the_copy_not_the_source(monkeypatch: pytest.Monkey
     monkeypatch.setattr(np, "copyto", torn)
     with pytest.raises(CorruptBlock, match="checksum"):
         copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
+
+
+def _in_pieces(data: bytes, cut: int) -> list[memoryview]:
+    view = memoryview(data)
+    return [view[start : start + cut] for start in range(0, len(data), cut)]
+
+
+@pytest.mark.parametrize("cut", [1, 777, COPY_VERIFY_STEP - 1, COPY_VERIFY_STEP + 3, STEPPED])
+def test_copy_parts_verified_joins_pieces_of_any_size(cut: int) -> None:
+    data = stored(payload_bytes(STEPPED if cut > 1 else 3000))
+    destination = bytearray(len(data) - HEADER_BYTES)
+    pieces = _in_pieces(data[HEADER_BYTES:], cut)
+    header = copy_parts_verified(data[:HEADER_BYTES], pieces, destination)
+    assert header == verify_block(data) and bytes(destination) == data[HEADER_BYTES:]
+
+
+@pytest.mark.parametrize("offset", STEP_POSITIONS)
+def test_copy_parts_verified_catches_a_flip_in_any_piece(offset: int) -> None:
+    data = _flip(stored(payload_bytes(STEPPED)), (HEADER_BYTES + offset) * 8 + 5)
+    with pytest.raises(CorruptBlock, match="checksum"):
+        copy_parts_verified(
+            data[:HEADER_BYTES], _in_pieces(data[HEADER_BYTES:], 100_000), bytearray(STEPPED)
+        )
+
+
+def test_copy_parts_verified_refuses_pieces_of_another_total() -> None:
+    data = stored(payload_bytes(STEPPED))
+    pieces = _in_pieces(data[HEADER_BYTES:-1], 100_000)
+    with pytest.raises(CorruptBlock, match="payload is"):
+        copy_parts_verified(data[:HEADER_BYTES], pieces, bytearray(STEPPED))
 
 
 @pytest.mark.parametrize("size", [STEPPED - 1, STEPPED + 1])

@@ -36,7 +36,8 @@ from kvstore.client import blocks as client_blocks
 from kvstore.client.address import TOKEN_ENV, Address, Scheme, bearer_token
 from kvstore.client.blocks import FramesSink, LeasedBlock, Verify, copy_leased, tier_of
 from kvstore.client.buffers import BufferPool
-from kvstore.client.protocol import BODY_SLICE_BYTES, Call, ClientProtocol, Reply
+from kvstore.client.protocol import Call, ClientProtocol, Reply
+from kvstore.client.put_body import BODY_SLICE_BYTES
 from kvstore.client.shm import SharedArena
 from kvstore.codec import encode_payload
 from kvstore.errors import ConfigError
@@ -859,3 +860,27 @@ def test_no_daemon_at_all_is_a_degraded_answer_and_leaks_no_socket(
             assert (await store.client_stats()).lookups_failed == 3
 
     asyncio.run(run())
+
+
+def test_a_put_body_frames_each_block_once_and_skips_absent_chunks() -> None:
+    chunks = kv.chunks(3)
+    operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, [None, *chunks[1:]], None)
+    next(operation)  # registers the namespace
+    call = operation.send(ok({"namespace": NS.digest.hex()}))
+    assert call.body is not None
+    first = b"".join(call.body)
+    assert b"".join(call.body) == first  # sent again (a retry): the same bytes
+    stored = [
+        encode_block(NS, KEYS[i], KEYS[i - 1], chunk_bytes(chunks[i], kv.LAYOUT)).to_bytes()
+        for i in (1, 2)
+    ]
+    meta = {
+        "namespace": NS.digest.hex(),
+        "session": None,
+        "blocks": [
+            {"key": KEYS[0].hex(), "length": None},
+            *({"key": KEYS[i].hex(), "length": len(stored[i - 1])} for i in (1, 2)),
+        ],
+    }
+    assert first == b"".join(bytes(p) for p in encode_frames(meta, stored))
+    assert int(call.headers["Content-Length"]) == len(first)

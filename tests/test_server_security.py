@@ -117,14 +117,21 @@ def _bodies(chain: Chain) -> dict[str, tuple[bytes, int, str]]:
 def test_malformed_puts_are_refused_whole(client: httpx.Client, ns: Namespace) -> None:
     chain = make_chain(ns, 3, start=100)
     before = client.get("/v1/stats").json()["store"]["chunks_stored"]
+    used = _dram_used(client)
     for name, (body, status, code) in _bodies(chain).items():
         response = put_raw(client, body)
         assert (response.status_code, error_code(response)) == (status, code), name
-        # Nothing stored: not even the two good blocks in front of the bad one.
+        # Nothing stored: not even the two good blocks in front of the bad one,
+        # and the DRAM extents they landed in were given back.
         assert lookup(client, ns, chain.keys)["num_chunks"] == 0, name
+        assert _dram_used(client) == used, name
     assert client.get("/v1/stats").json()["store"]["chunks_stored"] == before
     # The daemon is fine, and the good body is still accepted afterwards.
     assert http_kv.put(client, chain) == 3
+
+
+def _dram_used(client: httpx.Client) -> int:
+    return int(client.get("/v1/stats").json()["store"]["tiers"]["dram"]["used_bytes"])
 
 
 def test_bad_json_requests(client: httpx.Client, ns: Namespace) -> None:

@@ -454,3 +454,40 @@ def test_freeing_an_extent_bumps_its_generation_in_shared_memory() -> None:
             mapped.close()
     finally:
         tier.close()
+
+
+# --- reservations (blocks written in place, kvstore.landing) -----------------------------
+
+
+def test_a_reserved_extent_counts_but_is_found_only_once_published() -> None:
+    with_tier = DRAMTier(4 * SLOT)
+    try:
+        block = make_block(KEYS[0], seed=7)
+        offset = with_tier.reserve(block.nbytes)
+        assert offset is not None and with_tier.used_bytes() == SLOT
+        with_tier.arena.writable(offset, block.nbytes)[:] = block.to_bytes()
+        assert with_tier.get_many(NS.digest, [KEYS[0]]) == [None]
+        with_tier.publish(NS.digest, [(KEYS[0], offset, block.nbytes)])
+        got = with_tier.get_many(NS.digest, [KEYS[0]])[0]
+        assert got is not None and bytes(got) == block.to_bytes()
+    finally:
+        with_tier.close()
+
+
+def test_an_unreserved_extent_is_free_again_with_its_generation_bumped() -> None:
+    with_tier = DRAMTier(2 * SLOT)
+    try:
+        offsets = [with_tier.reserve(SLOT), with_tier.reserve(SLOT)]
+        assert None not in offsets and with_tier.reserve(SLOT) is None  # full
+        with_tier.unreserve([offset for offset in offsets if offset is not None])
+        assert with_tier.used_bytes() == 0
+        generations = [
+            int.from_bytes(
+                with_tier.arena.view(with_tier.generation_offset(offset), 8), sys.byteorder
+            )
+            for offset in offsets
+            if offset is not None
+        ]
+        assert generations == [1, 1]
+    finally:
+        with_tier.close()

@@ -23,6 +23,13 @@ was looked up" (``extent_of``) means "these bytes have not been freed, let
 alone rewritten, since": a seqlock per extent, with no ABA (counters only
 grow). An extent is only ever freed whole, so its first page's counter
 covers all of it.
+
+Reservations (the daemon's puts, ``kvstore.landing``) split the two-phase put
+across calls: ``reserve`` allocates an extent that no key names, the caller
+writes the block into it (``writable``), and ``publish`` names it in the index
+or ``unreserve`` gives it back. Between the two the extent belongs to whoever
+reserved it: it counts in ``used_bytes`` (capacity holds), no reader can find
+it, and no eviction can take it (eviction only takes indexed blocks).
 """
 
 from __future__ import annotations
@@ -129,6 +136,32 @@ class ArenaTier:
                 if replaced is not None:
                     self._free(replaced.offset)
                 self._index[(namespace, key)] = _Extent(offset, block.nbytes)
+
+    def reserve(self, nbytes: int) -> int | None:
+        """The offset of a new extent of ``nbytes`` that no key names yet, or ``None``
+        if no hole fits; the caller owns it until ``publish`` or ``unreserve``."""
+        with self._lock:
+            self._check_open()
+            return self._allocator.allocate(nbytes)
+
+    def publish(self, namespace: bytes, items: Sequence[tuple[ChunkKey, int, int]]) -> None:
+        """Name reserved, fully written extents ``(key, offset, nbytes)`` in the index,
+        freeing any extent a key named before: from now on readers find them."""
+        with self._lock:
+            self._check_open()
+            for key, offset, nbytes in items:
+                replaced = self._index.get((namespace, key))
+                if replaced is not None:
+                    self._free(replaced.offset)
+                self._index[(namespace, key)] = _Extent(offset, nbytes)
+
+    def unreserve(self, offsets: Sequence[int]) -> None:
+        """Give back reserved extents that will not be published (a closed tier has
+        already let go of all of its memory)."""
+        with self._lock:
+            if not self._closed:
+                for offset in offsets:
+                    self._free(offset)
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         with self._lock:

@@ -66,6 +66,11 @@ class SharedMemoryArena:
         copying it; valid only while the block stays put (pinned)."""
         return self._array[offset : offset + nbytes].data.toreadonly()
 
+    def writable(self, offset: int, nbytes: int) -> memoryview:
+        """A writable view of ``nbytes`` at ``offset``: only for an extent the caller
+        has reserved and not yet published (``ArenaTier.reserve``)."""
+        return self._array[offset : offset + nbytes].data
+
     def close(self) -> None:
         if self.pinned:
             _unpin_host_memory(self._array)

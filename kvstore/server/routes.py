@@ -14,11 +14,15 @@ Put, from the socket to the store::
        against            copy on the         the blocks are read)
        max_body_bytes)    loop)    │
                                    ▼ every ~4 MiB of complete blocks, while the rest arrives
-        worker thread: join ─► verify_block ─► check_identity, one chunk?
-                               (checksum)      (key, namespace, layout)
+        worker thread, per block: land it (kvstore/landing.py): reserve a DRAM
+          extent, copy the pieces in while checksumming them, check key,
+          namespace, layout, one chunk; unpublished until the end
+        or, with no extent to be had: join ─► verify_block ─► the same checks
                                    │
                                    ▼ once the whole body is in and every block passed
-        worker thread: store.put_blocks (stored as received; all or nothing)
+        worker thread: Landing.commit: landed blocks published, the others
+        stored by store.put_blocks (all or nothing: a failed put gives every
+        extent back and stores nothing)
 
 Get (``"bytes"``): ``store.serve`` pins the batch, then ``frames.send_served``
 streams it: DRAM blocks straight from the shared arena, the others read on a
@@ -48,6 +52,8 @@ from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.events import MAX_SESSION_CHARS, parse_event
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.landing import Landing
+from kvstore.placement import Reserved
 from kvstore.server.frames import ArrivedBlock, FrameSplitter, send_served
 from kvstore.server.leases import Lease, LeaseTable
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE
@@ -160,7 +166,7 @@ async def put(request: web.Request) -> web.Response:
         if not batch.keys:
             return web.json_response({"stored": 0})
         stored = await asyncio.to_thread(
-            store.put_blocks, batch.namespace, batch.keys, batch.blocks, session=batch.session
+            batch.landing.commit, batch.keys, batch.blocks, batch.session
         )
     predictor = request.app.get(PREDICTOR)
     if predictor is not None:  # the session's latest chain, for its events without keys
@@ -170,13 +176,15 @@ async def put(request: web.Request) -> web.Response:
 
 @dataclass(slots=True)
 class _PutBatch:
-    """A put being received: namespace and session from its metadata, then its
-    keys and verified blocks (``None`` where the metadata says absent)."""
+    """A put being received: namespace, session and keys from its metadata, then
+    its verified blocks (landed in DRAM or ``Block``s; ``None`` where the metadata
+    says absent). ``landing`` owns the DRAM extents blocks landed in."""
 
     namespace: Namespace
     session: str | None
-    keys: list[ChunkKey] = field(default_factory=list)
-    blocks: list[Block | None] = field(default_factory=list)
+    keys: list[ChunkKey]
+    landing: Landing
+    blocks: list[Block | Reserved | None] = field(default_factory=list)
 
 
 async def _receive(request: web.Request, store: TieredStore, limit: int) -> _PutBatch:
@@ -188,7 +196,7 @@ async def _receive(request: web.Request, store: TieredStore, limit: int) -> _Put
         )
     )
     batch: _PutBatch | None = None
-    verifying: list[asyncio.Future[list[Block | None]]] = []
+    verifying: list[asyncio.Future[list[Block | Reserved | None]]] = []
     arrived: list[ArrivedBlock] = []
     arrived_bytes = total = 0
     try:
@@ -200,30 +208,35 @@ async def _receive(request: web.Request, store: TieredStore, limit: int) -> _Put
                 arrived.append(block)
                 arrived_bytes += block.nbytes
             if batch is None and splitter.meta is not None:
-                batch = _check_put_meta(store, splitter.meta, limit)
+                batch = _check_put_meta(store, splitter.meta, splitter.keys, limit)
             if batch is not None and arrived_bytes >= _VERIFY_BATCH_BYTES:
-                verifying.append(_verify_soon(batch.namespace, arrived))
+                verifying.append(_verify_soon(batch, arrived))
                 arrived, arrived_bytes = [], 0
         splitter.finish()
         assert batch is not None, "finish() raises unless the metadata arrived"
-        verifying.append(_verify_soon(batch.namespace, arrived))
+        verifying.append(_verify_soon(batch, arrived))
         for verified in verifying:
             batch.blocks += await verified
-    finally:
-        for verified in verifying:
-            verified.cancel()  # after a failure: nobody will look at the rest
-    batch.keys = splitter.keys
+    except BaseException:
+        if batch is not None:  # off the loop: it takes the store's lock
+            await asyncio.shield(asyncio.to_thread(batch.landing.abort))
+        # Workers still landing give their extents back as they finish (a few ms):
+        # wait for them, so that every extent is back before the answer goes out.
+        await asyncio.shield(asyncio.gather(*verifying, return_exceptions=True))
+        raise
     return batch
 
 
 def _verify_soon(
-    namespace: Namespace, arrived: list[ArrivedBlock]
-) -> asyncio.Future[list[Block | None]]:
+    batch: _PutBatch, arrived: list[ArrivedBlock]
+) -> asyncio.Future[list[Block | Reserved | None]]:
     loop = asyncio.get_running_loop()
-    return loop.run_in_executor(None, _verify_blocks, namespace, arrived)
+    return loop.run_in_executor(None, _verify_blocks, batch, arrived)
 
 
-def _check_put_meta(store: TieredStore, meta: dict[str, Any], limit: int) -> _PutBatch:
+def _check_put_meta(
+    store: TieredStore, meta: dict[str, Any], keys: list[ChunkKey], limit: int
+) -> _PutBatch:
     """Refuse a put by its metadata alone, before its blocks are read."""
     namespace = store.namespace(digest_from_hex(meta.get("namespace")))
     session = meta.get("session")
@@ -245,19 +258,27 @@ def _check_put_meta(store: TieredStore, meta: dict[str, Any], limit: int) -> _Pu
         declared += length or 0
     if declared > limit:
         raise _too_large(declared, limit)
-    return _PutBatch(namespace, session)
+    return _PutBatch(namespace, session, keys, Landing(store, namespace, keys))
 
 
-def _verify_blocks(namespace: Namespace, arrived: list[ArrivedBlock]) -> list[Block | None]:
-    """Join each arrived block and verify it (checksum, key, namespace, layout, one
-    chunk, a payload that decodes); ready for ``store.put_blocks``. Worker thread."""
+def _verify_blocks(batch: _PutBatch, arrived: list[ArrivedBlock]) -> list[Block | Reserved | None]:
+    """Land each arrived block in DRAM, or else join it and verify it the same way
+    (checksum, key, namespace, layout, one chunk, a payload that decodes); ready
+    for ``Landing.commit``. Worker thread."""
+    namespace = batch.namespace
     chunk_nbytes = namespace.layout.chunk_nbytes
-    blocks: list[Block | None] = []
+    blocks: list[Block | Reserved | None] = []
     for block in arrived:
-        data = block.joined()
-        if data is None:
+        if block.parts is None:
             blocks.append(None)
             continue
+        parent = batch.keys[block.index - 1] if block.index else None
+        landed = batch.landing.land(block.index, block.key, parent, block.parts)
+        if landed is not None:
+            blocks.append(landed)
+            continue
+        data = block.joined()
+        assert data is not None
         try:
             header = verify_block(data)
             check_identity(header, namespace, block.key)

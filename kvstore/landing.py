@@ -1,0 +1,175 @@
+"""A put's blocks written straight into the DRAM arena as they arrive, published
+only once the whole put verified.
+
+::
+
+    a block's pieces ──► header parses, length agrees? ──► reserve an extent
+      (views of the                                        (store.reserve_dram:
+       socket's reads)                                      evicts as a put would)
+                                                                │ none: the caller
+                                                                │ admits it the usual way
+                                                                ▼
+         copy the pieces into the extent, checksumming each step right after it is
+         copied (block.copy_parts_verified): the bytes are read from memory once
+                                                                │
+                      checksum, key, namespace, layout ok? ─no─► give the extent back, raise
+                                                                │
+                                                                ▼
+                      kept, unpublished, until the whole put verified ─► store.put_landed
+                      publishes it (or ``abort`` gives every extent back)
+
+Who owns a reserved extent, and when it becomes visible:
+
+* From ``store.reserve_dram`` until the put ends, the ``Landing`` owns it:
+  the extent counts against DRAM's capacity, no reader can find it (it is in
+  no index) and no eviction can take it (eviction only takes indexed blocks).
+* ``commit`` hands every extent to ``store.put_landed``, which publishes each
+  (tier index, then store index) or gives it back if its key is held already:
+  a block becomes visible only after every block of the put passed.
+* ``abort`` (a block failed, the body was cut off, the client went away) gives
+  every extent back. A worker still copying into an extent when the put is
+  aborted gives that one back itself when it finishes, never before: the extent
+  cannot be handed to anyone else while it is being written.
+* Reserving may evict, before the block is verified, but only by demoting
+  (``Placement.reserve``): a put that then fails may have moved others' blocks
+  down a tier, never dropped one.
+* The arena is in-process shared memory and the index lives in memory, so a
+  daemon killed mid-put leaves nothing of it anywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvstore.block import (
+    HEADER_BYTES,
+    Block,
+    check_identity,
+    copy_parts_verified,
+    parse_header,
+)
+from kvstore.codec import decode_payload
+from kvstore.errors import CorruptBlock, KVStoreError, LayoutMismatch
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.placement import Reserved
+from kvstore.store import TieredStore
+
+
+class PutAborted(KVStoreError):
+    """A block finished landing after its put had already failed."""
+
+
+class Landing:
+    """The reserved DRAM extents of one put being received; see the module docstring.
+
+    ``land`` runs on worker threads (several may run at once); ``commit`` and
+    ``abort`` run once every ``land`` call has returned or been given up on.
+    """
+
+    def __init__(self, store: TieredStore, namespace: Namespace, keys: Sequence[ChunkKey]) -> None:
+        self._store = store
+        self._namespace = namespace
+        self._protect = frozenset(keys)
+        self._lock = threading.Lock()  # guards the three fields below
+        self._landed: list[int] = []  # offsets written and verified, not yet published
+        self._writing: set[int] = set()
+        self._done = False  # committed or aborted: nothing more may land
+
+    def land(
+        self, index: int, key: ChunkKey, parent: ChunkKey | None, parts: Sequence[memoryview]
+    ) -> Reserved | None:
+        """Write block ``index`` (``parts``, as received) into a reserved extent and
+        verify it there; ``None`` if no extent was to be had (admit it the usual
+        way). Raises ``CorruptBlock``/``LayoutMismatch`` for a bad block (its
+        extent given back) and ``PutAborted`` once the put is over."""
+        if self._done:  # do not evict for a put that already failed
+            raise PutAborted("the put ended before this block landed")
+        header_bytes, payload = _split_header(parts)
+        nbytes = HEADER_BYTES + sum(piece.nbytes for piece in payload)
+        try:
+            header = parse_header(header_bytes)
+            if nbytes != HEADER_BYTES + header.payload_len:
+                raise CorruptBlock(
+                    f"block is {nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
+                )
+        except CorruptBlock as error:
+            raise CorruptBlock(f"block {index}: {error}") from None
+        offset = self._store.reserve_dram(nbytes, header.codec, self._protect)
+        if offset is None:
+            return None
+        with self._lock:
+            if self._done:
+                self._store.unreserve_dram([offset])
+                raise PutAborted("the put ended before this block landed")
+            self._writing.add(offset)
+        verified = False
+        try:
+            target = self._store.dram_writable(offset, nbytes)
+            target[:HEADER_BYTES] = header_bytes
+            copy_parts_verified(header_bytes, payload, target[HEADER_BYTES:])
+            self._check(key, header_bytes, target[HEADER_BYTES:])
+            verified = True
+        except (CorruptBlock, LayoutMismatch) as error:
+            raise type(error)(f"block {index}: {error}") from None
+        finally:
+            with self._lock:
+                self._writing.discard(offset)
+                keep = verified and not self._done
+                if keep:
+                    self._landed.append(offset)
+            if not keep:
+                self._store.unreserve_dram([offset])
+        if not keep:
+            raise PutAborted("the put ended while this block was landing")
+        return Reserved(key, parent, offset, nbytes)
+
+    def commit(
+        self,
+        keys: Sequence[ChunkKey],
+        blocks: Sequence[Block | Reserved | None],
+        session: str | None,
+    ) -> int:
+        """Store the verified put: publish its landed blocks, admit the others."""
+        with self._lock:
+            assert not self._writing, "commit only after every land returned"
+            self._done = True
+            self._landed = []
+        return self._store.put_landed(self._namespace, keys, blocks, session=session)
+
+    def abort(self) -> None:
+        """Give back every landed extent (those still being written go back when
+        their copy ends). Idempotent; a no-op after ``commit``."""
+        with self._lock:
+            self._done = True
+            landed, self._landed = self._landed, []
+        if landed:
+            self._store.unreserve_dram(landed)
+
+    def _check(self, key: ChunkKey, header_bytes: bytes, payload: memoryview) -> None:
+        """What the daemon checks of every block besides its checksum (as for a block
+        admitted the usual way): key, namespace, layout, one chunk, a payload that
+        decodes."""
+        header = parse_header(header_bytes)
+        check_identity(header, self._namespace, key)
+        chunk_nbytes = self._namespace.layout.chunk_nbytes
+        if header.raw_len != chunk_nbytes:
+            raise LayoutMismatch(
+                f"holds {header.raw_len} bytes of KV, the namespace's chunk is {chunk_nbytes}"
+            )
+        decode_payload(payload, header.dtype, header.codec, header.raw_len)
+
+
+def _split_header(parts: Sequence[memoryview]) -> tuple[bytes, list[memoryview]]:
+    """A block's first ``HEADER_BYTES`` (copied: they may span pieces) and views of
+    the rest."""
+    head = bytearray()
+    payload: list[memoryview] = []
+    for part in parts:
+        wanted = HEADER_BYTES - len(head)
+        if wanted > 0:
+            head += part[:wanted]
+            part = part[wanted:]
+        if part.nbytes:
+            payload.append(part)
+    return bytes(head), payload
