@@ -4,7 +4,7 @@ only once the whole put verified.
 ::
 
     a block's pieces ──► header parses, length agrees? ──► reserve an extent
-      (views of the                                        (store.reserve_dram:
+      (views of the                                        (store.serving.reserve_dram:
        socket's reads)                                      evicts as a put would)
                                                                 │ none: the caller
                                                                 │ admits it the usual way
@@ -15,15 +15,15 @@ only once the whole put verified.
                       checksum, key, namespace, layout ok? ─no─► give the extent back, raise
                                                                 │
                                                                 ▼
-                      kept, unpublished, until the whole put verified ─► store.put_landed
+                      kept, unpublished, until the whole put verified ─► store.serving.put_landed
                       publishes it (or ``abort`` gives every extent back)
 
 Who owns a reserved extent, and when it becomes visible:
 
-* From ``store.reserve_dram`` until the put ends, the ``Landing`` owns it:
+* From ``store.serving.reserve_dram`` until the put ends, the ``Landing`` owns it:
   the extent counts against DRAM's capacity, no reader can find it (it is in
   no index) and no eviction can take it (eviction only takes indexed blocks).
-* ``commit`` hands every extent to ``store.put_landed``, which publishes each
+* ``commit`` hands every extent to ``store.serving.put_landed``, which publishes each
   (tier index, then store index) or gives it back if its key is held already:
   a block becomes visible only after every block of the put passed.
 * ``abort`` (a block failed, the body was cut off, the client went away) gives
@@ -95,17 +95,17 @@ class Landing:
                 )
         except CorruptBlock as error:
             raise CorruptBlock(f"block {index}: {error}") from None
-        offset = self._store.reserve_dram(nbytes, header.codec, self._protect)
+        offset = self._store.serving.reserve_dram(nbytes, header.codec, self._protect)
         if offset is None:
             return None
         with self._lock:
             if self._done:
-                self._store.unreserve_dram([offset])
+                self._store.serving.unreserve_dram([offset])
                 raise PutAborted("the put ended before this block landed")
             self._writing.add(offset)
         verified = False
         try:
-            target = self._store.dram_writable(offset, nbytes)
+            target = self._store.serving.dram_writable(offset, nbytes)
             target[:HEADER_BYTES] = header_bytes
             copy_parts_verified(header_bytes, payload, target[HEADER_BYTES:])
             self._check(key, header_bytes, target[HEADER_BYTES:])
@@ -119,7 +119,7 @@ class Landing:
                 if keep:
                     self._landed.append(offset)
             if not keep:
-                self._store.unreserve_dram([offset])
+                self._store.serving.unreserve_dram([offset])
         if not keep:
             raise PutAborted("the put ended while this block was landing")
         return Reserved(key, parent, offset, nbytes)
@@ -135,7 +135,7 @@ class Landing:
             assert not self._writing, "commit only after every land returned"
             self._done = True
             self._landed = []
-        return self._store.put_landed(self._namespace, keys, blocks, session=session)
+        return self._store.serving.put_landed(self._namespace, keys, blocks, session=session)
 
     def abort(self) -> None:
         """Give back every landed extent (those still being written go back when
@@ -144,7 +144,7 @@ class Landing:
             self._done = True
             landed, self._landed = self._landed, []
         if landed:
-            self._store.unreserve_dram(landed)
+            self._store.serving.unreserve_dram(landed)
 
     def _check(self, key: ChunkKey, header_bytes: bytes, payload: memoryview) -> None:
         """What the daemon checks of every block besides its checksum (as for a block

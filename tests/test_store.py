@@ -673,19 +673,19 @@ def test_serve_pins_what_it_will_send_until_released(tmp_path: Path) -> None:
         keys = store.keys_for(ns, kv.tokens(6))
         unknown = store.keys_for(ns, kv.tokens(1, start=10_000))
         expected = [bytes(chunk.block) for chunk in store.get(ns, keys) if chunk and chunk.block]
-        served = store.serve(ns, [*keys, *unknown])
+        served = store.serving.serve(ns, [*keys, *unknown])
         assert served.tiers == [DRAM] * 4 + [SSD] * 2 + [None]
         framed = HEADER_BYTES + ns.layout.chunk_nbytes
         assert served.lengths == [framed] * 6 + [None]
         shared = [block for block in served.shared if block is not None]
-        assert [bytes(store.arena_view(block)) for block in shared] == expected[:4]
+        assert [bytes(store.serving.arena_view(block)) for block in shared] == expected[:4]
         store.delete(ns, keys[5:])  # lost between serve and its turn
-        below = store.read_served(served, [4, 5])
+        below = store.serving.read_served(served, [4, 5])
         assert below[1] is None and below[0] is not None and bytes(below[0]) == expected[4]
         # Pinned: a chain that needs all of DRAM evicts around them.
         store.put(ns, kv.tokens(4, start=20_000), kv.chunks(4, seed=1))
         assert store.locate(ns, keys[:4]) == [DRAM] * 4
-        store.release_served(served)
+        store.serving.release_served(served)
         store.put(ns, kv.tokens(4, start=30_000), kv.chunks(4, seed=2))
         assert store.locate(ns, keys[:5]) == [SSD] * 5  # evictable again: written back
         stats = store.stats()

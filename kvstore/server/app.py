@@ -274,7 +274,7 @@ async def stats(request: web.Request) -> web.Response:
                 "leased_blocks": leases.pinned_blocks,
                 "events_received": request.app[EVENTS].received,
                 "listening": state.listening,
-                "shared_memory": store.shared_memory_name,
+                "shared_memory": store.serving.shared_memory_name,
                 "draining": state.draining,
             },
         }

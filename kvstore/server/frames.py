@@ -40,7 +40,8 @@ from aiohttp import web
 from kvstore.block import HEADER_BYTES
 from kvstore.keys import ChunkKey
 from kvstore.reader import VERIFY_WINDOW_BYTES
-from kvstore.store import ServedGet, TieredStore
+from kvstore.serving import ServedGet
+from kvstore.store import TieredStore
 from kvstore.wire import (
     FRAMES_CONTENT_TYPE,
     ErrorCode,
@@ -175,7 +176,7 @@ async def send_served(
     """Answer ``request`` with the blocks of ``served`` as a frames body.
 
     Blocks below DRAM start being read before the metadata is written. A block
-    lost between ``store.serve`` and its turn (``read_served`` gives ``None``)
+    lost between ``store.serving.serve`` and its turn (``read_served`` gives ``None``)
     is written as zeros of its announced length: it fails the client's
     verification, so it is a miss there, and the rest still arrives.
     """
@@ -197,7 +198,7 @@ async def send_served(
             if length is None:
                 continue
             shared = served.shared[index]
-            block = store.arena_view(shared) if shared is not None else await reader.next()
+            block = store.serving.arena_view(shared) if shared is not None else await reader.next()
             await _write(response, block if block is not None else memoryview(bytes(length)))
         await response.write_eof()
         await _flushed(request)
@@ -259,5 +260,5 @@ class _WindowReader:
     def _read_next(self) -> None:
         if self._windows:
             self._reading = asyncio.get_running_loop().run_in_executor(
-                None, self._store.read_served, self._served, self._windows.popleft()
+                None, self._store.serving.read_served, self._served, self._windows.popleft()
             )

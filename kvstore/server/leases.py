@@ -1,6 +1,6 @@
 """Leases: how long a shared-memory reader may count on the blocks it was shown.
 
-A ``"shm"`` get pins the DRAM blocks it describes (``TieredStore.share``), so
+A ``"shm"`` get pins the DRAM blocks it describes (``SharedServing.share``), so
 they cannot be evicted and their arena extents cannot be reused while the
 client copies them out of its own mapping. Every pin taken that way belongs
 to exactly one lease, and is given back exactly once: when the client
@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.store import SharedBlock, TieredStore
+from kvstore.serving import SharedBlock
+from kvstore.store import TieredStore
 from kvstore.wire import ErrorCode, WireError
 
 
@@ -79,7 +80,7 @@ class LeaseTable:
                     ErrorCode.REQUEST_TOO_LARGE,
                     f"{len(self._leases)} leases outstanding; the limit is {self.max_leases}",
                 )
-            shared = self.store.share(namespace, keys)
+            shared = self.store.serving.share(namespace, keys)
             lease = Lease(
                 id=secrets.token_hex(16),
                 namespace=namespace,

@@ -24,7 +24,7 @@ Put, from the socket to the store::
         stored by store.put_blocks (all or nothing: a failed put gives every
         extent back and stores nothing)
 
-Get (``"bytes"``): ``store.serve`` pins the batch, then ``frames.send_served``
+Get (``"bytes"``): ``store.serving.serve`` pins the batch, then ``frames.send_served``
 streams it: DRAM blocks straight from the shared arena, the others read on a
 worker a window ahead; the pins go back when the response ends, however it
 ends.
@@ -57,7 +57,8 @@ from kvstore.placement import Reserved
 from kvstore.server.frames import ArrivedBlock, FrameSplitter, send_served
 from kvstore.server.leases import Lease, LeaseTable
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE
-from kvstore.store import SharedBlock, TieredStore
+from kvstore.serving import SharedBlock
+from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DRAMTier
 from kvstore.wire import (
@@ -319,13 +320,13 @@ async def _get_bytes(
 ) -> web.StreamResponse:
     """Stream the blocks as frames: each a complete, checksummed block, sent from
     where it lies; the pins ``serve`` took are given back however the response ends."""
-    served = await asyncio.to_thread(store.serve, namespace, keys)
+    served = await asyncio.to_thread(store.serving.serve, namespace, keys)
     try:
         return await send_served(request, store, served)
     finally:
         # Shielded: a cancelled request must still unpin, and the call may wait
         # on the store's lock, so it runs on a worker, not on the loop.
-        await asyncio.shield(asyncio.to_thread(store.release_served, served))
+        await asyncio.shield(asyncio.to_thread(store.serving.release_served, served))
 
 
 async def _get_shared(
@@ -336,7 +337,7 @@ async def _get_shared(
     copying, that the extent was not freed meanwhile: ``client.blocks``)."""
     if not is_local(request):
         raise WireError(ErrorCode.BAD_REQUEST, "transfer 'shm' is only offered on the Unix socket")
-    name = store.shared_memory_name
+    name = store.serving.shared_memory_name
     if name is None:
         raise WireError(ErrorCode.NOT_FOUND, "this daemon has no DRAM tier; use 'bytes'")
     leases = request.app[LEASES]
@@ -386,7 +387,7 @@ async def shared_memory(request: web.Request) -> web.Response:
     if not is_local(request):
         raise WireError(ErrorCode.BAD_REQUEST, "shared memory is only offered on the Unix socket")
     store = request.app[STORE]
-    name = store.shared_memory_name
+    name = store.serving.shared_memory_name
     if name is None:
         raise WireError(ErrorCode.NOT_FOUND, "this daemon has no DRAM tier")
     return web.json_response({"name": name, "size": store.tier(TierKind.DRAM).capacity_bytes()})
