@@ -14,18 +14,27 @@ drift hits all alike:
                last token's, forward over the rest, argmax (layer-wise off)
 ``layerwise``  the same with the layer-wise loader (``client.hf_cache``)
 
-``load_gbps`` is the KV bytes loaded over the load time (fetch plus unpack
-into the cache), against ``ceiling_gbps``: the same bytes copied by a plain
-memcpy (CPU) or a pinned host-to-device copy (CUDA) in the same run. Every
-path's greedy tokens (first token of each timed run, and a short
-``generate`` through ``HFKVStore``) must equal plain ``model.generate``'s;
-the benchmark fails otherwise.
+``load_gbps`` is the KV bytes a reload puts into the cache over the time of
+``client.hf_cache.load_cache`` (the load ``prefill`` runs before its forward:
+get every chunk into a staging buffer, unpack every layer into the cache's
+tensors), against ``ceiling_gbps``: the same bytes copied between warm
+buffers by a plain memcpy (CPU) or a pinned host-to-device copy (CUDA).
+The two are timed interleaved, ``LOAD_REPS`` times each, medians; ``ratio``
+is ``load_gbps / ceiling_gbps`` and ``best_ratio`` the same from the fastest
+repetition of each (what the load costs when no other process takes the
+cores). A reload copies the bytes twice (store -> staging -> cache), so on
+the host a ratio of 0.5 is the most it can reach; ``fetch_gbps`` and
+``install_gbps`` (medians) say how each copy did. Every path's greedy
+tokens (first token of each timed run, and a short ``generate`` through
+``HFKVStore``) must equal plain ``model.generate``'s; the benchmark fails
+otherwise.
 
 JSON on stdout: ``{"device", "model", "results": [{"tier", "prompt_tokens",
-"recompute_s", "reload_s", "speedup", "load_gbps", "ceiling_gbps",
-"identical"}]}`` for the plain reload, plus ``"overlap"`` (the layer-wise
-rows: ``reload_s``, ``hidden_fraction`` of the load the forward did not wait
-for) and ``"machine"``. Times are medians.
+"recompute_s", "reload_s", "speedup", "load_gbps", "ceiling_gbps", "ratio",
+"best_ratio", "fetch_gbps", "install_gbps", "load_mib", "identical"}]}`` for
+the plain reload, plus ``"overlap"`` (the layer-wise rows: ``reload_s``,
+``hidden_fraction`` of the load the forward did not wait for) and
+``"machine"``. Times are medians.
 """
 
 from __future__ import annotations
@@ -33,7 +42,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,13 +71,15 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore.client.embedded import EmbeddedClient  # noqa: E402
-from kvstore.client.hf import HFKVStore, Prefill  # noqa: E402
+from kvstore.client.hf import HFKVStore, RequestReport  # noqa: E402
+from kvstore.client.hf_cache import load_cache  # noqa: E402
 from kvstore.config import StoreConfig, TierConfig  # noqa: E402
 from kvstore.store import TieredStore  # noqa: E402
 from kvstore.tiers.base import TierKind  # noqa: E402
 
 GiB = 1 << 30
 NEW_TOKENS = 4
+LOAD_REPS = 31  # loads are cheap next to forwards: more reps, steadier medians
 CPU_SHAPE = {  # ~23M parameters, 8 KiB of KV per token in float32
     "hidden_size": 512,
     "intermediate_size": 1408,
@@ -176,21 +186,59 @@ def daemon(p: Plan, root: Path, stack: Any) -> str:
 # -- measurement --------------------------------------------------------------------
 
 
-def ceiling_seconds(nbytes: int, device: torch.device, reps: int) -> float:
-    """Median time of the raw copy of ``nbytes``: memcpy on CPU, pinned H2D on CUDA."""
+def copy_ceiling(nbytes: int, device: torch.device) -> Callable[[], None]:
+    """The raw copy of ``nbytes`` between warm buffers: memcpy on CPU, pinned H2D on CUDA."""
     source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     source.fill_(1)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(reps + 1):
-        began = time.perf_counter()
-        if device.type == "cuda":
+    target.fill_(0)  # fault its pages in now, as the pool's buffers are by the warmup load
+    if device.type == "cuda":
+
+        def copy() -> None:
             target.copy_(source, non_blocking=True)
             torch.cuda.synchronize(device)
-        else:
-            np.copyto(target.numpy(), source.numpy())
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[1:])
+
+        return copy
+    source_array, target_array = source.numpy(), target.numpy()
+    return lambda: np.copyto(target_array, source_array)
+
+
+def measure_load(kv: HFKVStore, ids: torch.Tensor) -> dict[str, float]:
+    """``load_cache`` of the whole cached prefix against the raw copy of its bytes.
+
+    Interleaved, ``LOAD_REPS`` times each after a warmup, so both see the
+    same machine; medians. The load is exactly what ``prefill`` runs before
+    its forward (lookup excluded), with the object's buffer pool, and each
+    cache is dropped before the next load as a finished request's would be.
+    """
+    keys = kv.plan(ids)
+    limit = int(ids.shape[1]) - 1
+    tokens = min(len(keys) * kv.chunk_tokens, limit)
+    nbytes = tokens * kv.namespace.layout.bytes_per_token
+    parts: dict[str, list[float]] = {"fetch": [], "install": []}
+
+    def load() -> None:
+        _, good, timing = load_cache(kv.client, kv.namespace, keys, ids.device, limit, kv.buffers)
+        if good != len(keys):
+            raise RuntimeError(f"loaded {good} of {len(keys)} chunks")
+        parts["fetch"].append(timing.fetch_s)
+        parts["install"].append(timing.install_s)
+
+    samples = time_interleaved(
+        {"load": Case(run=load), "ceiling": Case(run=copy_ceiling(nbytes, ids.device))},
+        LOAD_REPS,
+    )
+    load_s, ceiling_s = samples["load"].median, samples["ceiling"].median
+    return {
+        "load_gbps": gbps(nbytes, load_s),
+        "ceiling_gbps": gbps(nbytes, ceiling_s),
+        "ratio": ceiling_s / load_s,
+        # Fastest repetition of each: the cost with no other process on the cores.
+        "best_ratio": samples["ceiling"].best / samples["load"].best,
+        "fetch_gbps": gbps(nbytes, statistics.median(parts["fetch"][-LOAD_REPS:])),
+        "install_gbps": gbps(nbytes, statistics.median(parts["install"][-LOAD_REPS:])),
+        "load_mib": nbytes / (1 << 20),
+    }
 
 
 def first_token(logits: torch.Tensor) -> int:
@@ -203,9 +251,11 @@ def measure_tier(
     kv = HFKVStore(model, client, chunk_tokens=p.chunk_tokens, model_id="bench-llama")
     warm = kv.prefill(ids)
     kv.save(ids, warm.cache)
+    del warm
     expected = int(reference[0, ids.shape[1]].item())
     tokens: dict[str, list[int]] = {"recompute": [], "reload": [], "layerwise": []}
-    prefills: dict[str, list[Prefill]] = {"reload": [], "layerwise": []}
+    # Reports only: a kept cache would keep its memory from the buffer pool.
+    reports: dict[str, list[RequestReport]] = {"reload": [], "layerwise": []}
 
     def recompute() -> None:
         with torch.no_grad():
@@ -217,7 +267,7 @@ def measure_tier(
         def run() -> None:
             result = kv.prefill(ids, layerwise=layerwise)
             tokens[name].append(first_token(result.logits))
-            prefills[name].append(result)
+            reports[name].append(result.report)
 
         return run
 
@@ -229,6 +279,7 @@ def measure_tier(
         },
         p.reps,
     )
+    load = measure_load(kv, ids)
     generated = [
         kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, layerwise=lw).sequences
         for lw in (False, True)
@@ -237,11 +288,7 @@ def measure_tier(
         torch.equal(g, reference) for g in generated
     )
     # The timing of the timed repetitions only (time_interleaved runs a warmup first).
-    prefills = {name: runs[-p.reps :] for name, runs in prefills.items()}
-    loaded = prefills["reload"][-1].report.loaded_tokens
-    nbytes = loaded * kv.namespace.layout.bytes_per_token
-    load_s = statistics.median(r.report.timing.load_s for r in prefills["reload"])
-    ceiling_s = ceiling_seconds(nbytes, p.device, p.reps)
+    reports = {name: runs[-p.reps :] for name, runs in reports.items()}
     recompute_s, reload_s = samples["recompute"].median, samples["reload"].median
     row = {
         "tier": tier,
@@ -249,18 +296,17 @@ def measure_tier(
         "recompute_s": recompute_s,
         "reload_s": reload_s,
         "speedup": recompute_s / reload_s,
-        "load_gbps": gbps(nbytes, load_s),
-        "ceiling_gbps": gbps(nbytes, ceiling_s),
+        **load,
         "identical": identical,
     }
-    layerwise = prefills["layerwise"]
+    layerwise = reports["layerwise"]
     overlap = {
         "tier": tier,
         "prompt_tokens": int(ids.shape[1]),
         "reload_s": samples["layerwise"].median,
-        "load_s": statistics.median(r.report.timing.load_s for r in layerwise),
-        "wait_s": statistics.median(r.report.timing.wait_s for r in layerwise),
-        "hidden_fraction": statistics.median(r.report.timing.hidden_fraction for r in layerwise),
+        "load_s": statistics.median(r.timing.load_s for r in layerwise),
+        "wait_s": statistics.median(r.timing.wait_s for r in layerwise),
+        "hidden_fraction": statistics.median(r.timing.hidden_fraction for r in layerwise),
         "identical": identical,
     }
     return row, overlap
@@ -322,6 +368,7 @@ def table(rows: list[dict[str, Any]], overlaps: list[dict[str, Any]]) -> str:
         "speedup",
         "load GB/s",
         "ceiling GB/s",
+        "ratio",
         "layerwise s",
         "hidden",
         "identical",
@@ -335,6 +382,7 @@ def table(rows: list[dict[str, Any]], overlaps: list[dict[str, Any]]) -> str:
             f"{r['speedup']:.2f}",
             f"{r['load_gbps']:.2f}",
             f"{r['ceiling_gbps']:.2f}",
+            f"{r['ratio']:.2f}",
             f"{o['reload_s']:.3f}",
             f"{o['hidden_fraction']:.2f}",
             r["identical"],

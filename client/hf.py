@@ -49,6 +49,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvstore.chunk import ChunkData
+from kvstore.client.buffers import BufferPool
 from kvstore.client.connect import KVClient
 from kvstore.client.hf_blocks import model_namespace, pack_chunks
 from kvstore.client.hf_cache import LayerwiseLoad, LoadInterrupted, LoadTiming, load_cache
@@ -60,6 +62,8 @@ log = logging.getLogger("kvstore.client.hf")
 
 # Bytes of chunks per put: keeps one request well under a daemon's body limit.
 PUT_BATCH_BYTES = 32 << 20
+# Host memory kept for reuse by loads (staging buffers and cache tensors), by default.
+LOAD_BUFFER_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -101,6 +105,11 @@ class HFKVStore:
 
     ``layerwise`` picks the loader for calls that do not say: ``True`` fetches
     layers behind the forward (``client.hf_cache.LayerwiseLoad``).
+
+    Loads take their host memory (the staging buffer the store copies into,
+    and on the host the cache tensors) from a ``BufferPool`` of at most
+    ``load_buffer_bytes`` that this object owns: fresh memory costs a page
+    fault per 4 KiB on first touch, more than the copy into it.
     """
 
     def __init__(
@@ -112,6 +121,7 @@ class HFKVStore:
         tenant_salt: str | None = None,
         model_id: str | None = None,
         layerwise: bool = False,
+        load_buffer_bytes: int = LOAD_BUFFER_BYTES,
     ) -> None:
         self.model = model
         self.client = client
@@ -119,6 +129,7 @@ class HFKVStore:
             model, chunk_tokens=chunk_tokens, tenant_salt=tenant_salt, model_id=model_id
         )
         self.layerwise = layerwise
+        self.buffers = BufferPool(load_buffer_bytes)
         # transformers 5 renamed forward's ``past_key_values`` to ``cache``.
         parameters = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
@@ -184,7 +195,8 @@ class HFKVStore:
         for start in range(skip_chunks, full, per_put):
             end = min(start + per_put, full)
             chunks = pack_chunks(layers, layout, start, end)
-            kv_chunks: list[torch.Tensor | None] = [None] * start + list(chunks)
+            kv_chunks: list[ChunkData | None] = [None] * start
+            kv_chunks.extend(chunks)
             prefix = tokens[: end * self.chunk_tokens].numpy()
             stored += self.client.put(self.namespace, prefix, kv_chunks, session=session)
         return stored
@@ -266,7 +278,9 @@ class HFKVStore:
         device, limit = ids.device, ids.shape[1] - 1
         with torch.no_grad():
             if report.layerwise:
-                load = LayerwiseLoad(self.client, self.namespace, keys, device, limit).start()
+                load = LayerwiseLoad(
+                    self.client, self.namespace, keys, device, limit, self.buffers
+                ).start()
                 report.timing = load.timing
                 try:
                     output = run(load.cache, report.cached_tokens)
@@ -276,7 +290,7 @@ class HFKVStore:
                     output = run(cache, min(good * self.chunk_tokens, limit))
             else:
                 cache, good, report.timing = load_cache(
-                    self.client, self.namespace, keys, device, limit
+                    self.client, self.namespace, keys, device, limit, self.buffers
                 )
                 output = run(cache, min(good * self.chunk_tokens, limit))
         report.loaded_tokens = min(good * self.chunk_tokens, limit)

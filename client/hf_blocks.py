@@ -21,19 +21,27 @@ random-weight models), and the layout binds layers, KV heads, head dim, dtype
 and chunk size. A tenant salt goes into the namespace as usual.
 
 **Block payload.** One block per chunk of ``T = chunk_tokens`` tokens holds
-every layer, in kvstore's standard ``LKTHD`` order (``KVLayout.chunk_shape``)::
+every layer, in the order transformers keeps a layer (``[batch=1, H, seq, D]``),
+tagged ``HF_LAYOUT = "LKHTD"`` in the namespace's layout::
 
     payload = [ layer 0 | layer 1 | ... | layer L-1 ]
-    layer l = [ K | V ]                      2 x T*H*D elements
-    K       = [ token 0 | token 1 | ... | token T-1 ]
-    token t = [ head 0 | ... | head H-1 ]    H x D elements, model dtype
+    layer l = [ K | V ]                      2 x H*T*D elements
+    K       = [ head 0 | head 1 | ... | head H-1 ]
+    head h  = [ token 0 | ... | token T-1 ]  T x D elements, model dtype
                           (keys after RoPE, as the cache holds them)
 
-transformers holds a layer as ``[batch=1, H, seq, D]``, so packing and
-unpacking transpose tokens and heads; a layer's K (or V) of a run of ``n``
-chunks is rebuilt by one strided copy per layer from a staging buffer of
-shape ``(n, L, 2, T, H, D)`` (``unpack_layer``), which is what the layer-wise
-loader does one layer at a time.
+Why not kvstore's standard ``LKTHD`` (token-major): unpacking a run of
+chunks into a cache layer is then one strided copy whose contiguous runs are
+a whole head of a chunk (``T*D`` elements, 64 KiB for T=256, D=64 in
+float32), not a ``D``-element row per token and head; on the host it runs
+near memcpy speed (see ``unpack_layer``). The tag is part of the namespace
+digest, so chunks stored in another order (an older ``LKTHD`` namespace)
+are never found, let alone decoded wrongly.
+
+A run of ``n`` chunks is staged as ``(n, L, 2, H, T, D)`` (``staging_buffer``)
+and copied from there into the cache's own tensors (``cache_tensors``,
+``unpack``): all layers at once, or one layer at a time for the layer-wise
+loader.
 """
 
 from __future__ import annotations
@@ -43,11 +51,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from kvstore.client.buffers import BufferPool
 from kvstore.errors import ConfigError, LayoutMismatch
 from kvstore.keys import KVLayout, Namespace
 
+# The memory order of a block (module docstring); part of every namespace digest.
+HF_LAYOUT = "LKHTD"
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # Config fields that do not change what K and V a model computes.
 _VOLATILE_CONFIG_FIELDS = frozenset(
@@ -109,6 +121,7 @@ def model_layout(model: Any, chunk_tokens: int) -> KVLayout:
         head_dim=head_dim,
         dtype=dtype,
         chunk_tokens=chunk_tokens,
+        name=HF_LAYOUT,
     )
 
 
@@ -164,27 +177,101 @@ def torch_dtype(layout: KVLayout) -> torch.dtype:
     return dtype
 
 
-def staging_buffer(layout: KVLayout, chunks: int, *, pin: bool = False) -> torch.Tensor:
-    """Host memory for ``chunks`` chunks, ``(n, L, 2, T, H, D)``; row ``i`` is chunk ``i``'s
-    payload, so ``get(..., out=list(buffer))`` lands each block in place."""
-    return torch.empty((chunks, *layout.chunk_shape), dtype=torch_dtype(layout), pin_memory=pin)
+def block_shape(layout: KVLayout) -> tuple[int, int, int, int, int]:
+    """One chunk's payload as a tensor: ``(L, 2, H, T, D)`` (``HF_LAYOUT``)."""
+    layers, _, tokens, heads, head_dim = layout.chunk_shape
+    return (layers, 2, heads, tokens, head_dim)
 
 
-def unpack_layer(
-    staged: torch.Tensor, layer: int, device: torch.device, max_tokens: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer``'s K and V of every staged chunk as ``[1, H, n*T, D]`` on ``device``,
-    cut to the first ``max_tokens`` tokens when given.
+def staging_buffer(
+    layout: KVLayout, chunks: int, *, pool: BufferPool | None = None, pin: bool = False
+) -> torch.Tensor:
+    """Host memory for ``chunks`` chunks, ``(n, L, 2, H, T, D)``; row ``i`` is chunk ``i``'s
+    payload, so ``get(..., out=list(buffer))`` lands each block in place.
 
-    The (strided) host rows are copied to the device first and transposed
-    there, so on a GPU the transpose runs at device bandwidth.
+    From ``pool`` when given (host, unpinned): reused memory whose pages are
+    already mapped, so the get's copy does not pay a page fault per 4 KiB.
     """
-    chunks, _, _, tokens, heads, head_dim = staged.shape
-    moved = staged[:, layer].to(device, non_blocking=True)  # (n, 2, T, H, D)
-    kv = moved.permute(1, 3, 0, 2, 4).reshape(2, 1, heads, chunks * tokens, head_dim)
-    if max_tokens is not None:
-        kv = kv[:, :, :, :max_tokens]
-    return kv[0], kv[1]
+    shape = (chunks, *block_shape(layout))
+    if pool is None or pin or not chunks:
+        return torch.empty(shape, dtype=torch_dtype(layout), pin_memory=pin)
+    buffer = pool.take(chunks * layout.chunk_nbytes)
+    return torch.frombuffer(buffer, dtype=torch_dtype(layout)).view(shape)
+
+
+def cache_tensors(
+    layout: KVLayout, tokens: int, device: torch.device, pool: BufferPool | None = None
+) -> torch.Tensor:
+    """Empty K and V of every layer for ``tokens`` tokens, ``(L, 2, 1, H, tokens, D)``:
+    ``block[l, 0]`` and ``block[l, 1]`` are layer ``l``'s ``[1, H, tokens, D]`` K and V,
+    each contiguous, as a ``DynamicLayer`` holds them.
+
+    One block for all layers, so the whole unpack is one copy (``unpack``). On
+    the host it comes from ``pool`` when given, sized for whole chunks so that
+    prompts with the same number of chunks reuse each other's memory once the
+    cache that held it is gone (transformers replaces a layer's tensors on
+    its first ``update``: right after the first forward).
+    """
+    shape = (layout.num_layers, 2, 1, layout.num_kv_heads, tokens, layout.head_dim)
+    dtype = torch_dtype(layout)
+    if pool is None or device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    chunks = -(-tokens // layout.chunk_tokens)
+    count = layout.num_layers * 2 * layout.num_kv_heads * tokens * layout.head_dim
+    buffer = pool.take(chunks * layout.chunk_nbytes)
+    return torch.frombuffer(buffer, dtype=dtype)[:count].view(shape)
+
+
+def unpack(staged: torch.Tensor, block: torch.Tensor, layers: slice = slice(None)) -> None:
+    """Copy ``layers`` of the staged chunks into the same layers of ``block``
+    (``cache_tensors``: ``S <= n*T`` tokens, the first ``S`` of the run).
+
+    Each chunk holds a layer's K as ``H x T x D``, so this is one strided
+    copy (two when ``S`` cuts a chunk) whose contiguous runs are ``T*D``
+    elements (64 KiB for T=256, D=64 in float32): a memcpy in a loop. On the
+    host it runs in numpy, not torch: torch splits a copy this size across
+    its OpenMP threads, and on a busy machine the copy then waits for a
+    descheduled thread (measured: a 0.5 MiB copy taking 10-20 ms on a loaded
+    2-core box, 0.03 ms alone). On a GPU the layers are moved to the device
+    first and rearranged there.
+    """
+    tokens = staged.shape[4]
+    seq = block.shape[4]
+    full, rest = divmod(seq, tokens)
+    source = staged[:, layers]  # (n, l, 2, H, T, D)
+    if block.device != staged.device:
+        source = _to_device(source, block.device)
+    target = block[layers, :, 0]  # (l, 2, H, S, D)
+    if full:
+        whole = target[..., : full * tokens, :].unflatten(3, (full, tokens))
+        _copy(whole, source[:full].permute(1, 2, 3, 0, 4, 5))  # (l, 2, H, n, T, D)
+    if rest:
+        _copy(target[..., full * tokens : seq, :], source[full, ..., :rest, :])
+
+
+def _to_device(source: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``source`` (pinned host, ``(n, ...)``) on ``device``, one DMA per contiguous piece:
+    torch would first gather a strided host tensor (one layer of every chunk) into
+    unpinned memory, and copy from there synchronously."""
+    if source.is_contiguous():
+        return source.to(device, non_blocking=True)
+    moved = torch.empty(source.shape, dtype=source.dtype, device=device)
+    for row, chunk in zip(moved, source, strict=True):
+        row.copy_(chunk, non_blocking=True)
+    return moved
+
+
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)``, on the host as one single-threaded numpy copy of the raw
+    bits (bfloat16 has no numpy dtype; a same-size integer view copies the same bytes)."""
+    if target.device.type != "cpu":
+        target.copy_(source, non_blocking=True)
+        return
+    raw = _RAW_DTYPES[target.element_size()]
+    np.copyto(target.view(raw).numpy(), source.view(raw).numpy())
 
 
 def pack_chunks(
@@ -192,15 +279,16 @@ def pack_chunks(
     layout: KVLayout,
     first: int,
     end: int,
-) -> list[torch.Tensor]:
+) -> list[np.ndarray]:
     """Chunks ``first..end-1`` of a cache's per-layer ``[1, H, seq, D]`` K and V, as host
-    tensors of ``layout.chunk_shape``; ``LayoutMismatch`` if the cache is not ``layout``'s."""
+    payloads (flat bytes in ``HF_LAYOUT`` order); ``LayoutMismatch`` if the cache is not
+    ``layout``'s."""
     if end <= first:
         return []
     if len(layers) != layout.num_layers:
         raise LayoutMismatch(f"cache has {len(layers)} layers, the namespace {layout.num_layers}")
     tokens = layout.chunk_tokens
-    out = torch.empty((end - first, *layout.chunk_shape), dtype=torch_dtype(layout))
+    out = torch.empty((end - first, *block_shape(layout)), dtype=torch_dtype(layout))
     for index, (keys, values) in enumerate(layers):
         for kind, tensor in enumerate((keys, values)):
             expected = (1, layout.num_kv_heads, layout.head_dim)
@@ -211,7 +299,7 @@ def pack_chunks(
                 )
             if tensor.dtype != out.dtype:
                 raise LayoutMismatch(f"layer {index} holds {tensor.dtype}, not {layout.dtype}")
-            span = tensor[0, :, first * tokens : end * tokens, :]  # (H, n*T, D)
-            span = span.reshape(layout.num_kv_heads, end - first, tokens, layout.head_dim)
-            out[:, index, kind].copy_(span.permute(1, 2, 0, 3))
-    return list(out.unbind(0))
+            span = tensor[0, :, first * tokens : end * tokens, :].to("cpu")  # (H, n*T, D)
+            span = span.unflatten(1, (end - first, tokens))  # (H, n, T, D)
+            _copy(out[:, index, kind], span.transpose(0, 1))
+    return list(out.view(torch.uint8).reshape(end - first, -1).numpy())

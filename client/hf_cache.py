@@ -19,7 +19,16 @@ One block holds every layer of a chunk (``client.hf_blocks``), so layer 0
 needs the whole fetch; what runs behind compute is the per-layer unpack (on a
 GPU, the host-to-device copy on a stream of its own) and whatever part of
 the fetch the forward's first steps cover. ``LoadTiming.hidden_fraction``
-measures how much of the load the forward did not wait for.
+measures how much of the load the forward did not wait for. On a CPU the
+loader and the forward share the cores: a hidden copy still takes a core
+from the forward's matmuls (the copies run in numpy, which releases the GIL,
+so they do run in parallel where a core is free).
+
+Both paths copy each byte twice, store -> staging buffer (``client.get`` with
+``out=``) -> the cache's tensors (one strided copy per layer, or one for all
+layers at once), and take their host memory from the caller's
+``BufferPool`` (``HFKVStore.buffers``), so a load runs on pages that are
+already mapped instead of faulting in fresh ones.
 
 A chunk that fails to load (corrupt, tier down) ends the usable run there.
 The all-at-once path simply builds the cache from the good run. The
@@ -42,8 +51,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvstore.chunk import ChunkData
+from kvstore.client.buffers import BufferPool
 from kvstore.client.connect import KVClient
-from kvstore.client.hf_blocks import staging_buffer, unpack_layer
+from kvstore.client.hf_blocks import cache_tensors, staging_buffer, unpack
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, Namespace
 
@@ -89,14 +99,17 @@ def fetch(
     namespace: Namespace,
     keys: Sequence[ChunkKey],
     *,
+    pool: BufferPool | None = None,
     pin: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Get ``keys`` into one staging buffer; return it and the leading run that loaded.
 
-    Gets go in batches of ``GET_BATCH_CHUNKS`` and stop at the first miss,
-    since nothing after a missing chunk is usable.
+    The store copies each block's payload straight into its row (``out=``),
+    so a block is copied once on the way in. Gets go in batches of
+    ``GET_BATCH_CHUNKS`` and stop at the first miss, since nothing after a
+    missing chunk is usable.
     """
-    staged = staging_buffer(namespace.layout, len(keys), pin=pin)
+    staged = staging_buffer(namespace.layout, len(keys), pool=pool, pin=pin)
     rows: list[ChunkData] = list(staged.unbind(0))
     good = 0
     for start in range(0, len(keys), GET_BATCH_CHUNKS):
@@ -107,6 +120,17 @@ def fetch(
                 return staged, good
             good += 1
     return staged, good
+
+
+def install(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``keys``/``values`` the layer's content as they are.
+
+    Not ``layer.update``: on an empty layer that concatenates onto an empty
+    tensor, a third copy of the whole prefix.
+    """
+    layer.device = keys.device
+    layer.keys, layer.values = keys, values
+    layer.is_initialized = True
 
 
 def cache_of(layers: Sequence[DynamicLayer]) -> DynamicCache:
@@ -127,14 +151,16 @@ def load_cache(
     keys: Sequence[ChunkKey],
     device: torch.device,
     max_tokens: int,
+    pool: BufferPool | None = None,
 ) -> tuple[DynamicCache, int, LoadTiming]:
     """Fetch and unpack everything up front, keeping at most ``max_tokens`` tokens; return
     the cache, the chunks that loaded (the leading run) and the timing."""
     timing = LoadTiming()
     began = time.perf_counter()
-    staged, good = fetch(client, namespace, keys, pin=device.type == "cuda")
+    staged, good = fetch(client, namespace, keys, pool=pool, pin=device.type == "cuda")
     fetched = time.perf_counter()
-    cache = staged_cache(staged[:good], namespace.layout.num_layers, device, max_tokens)
+    cache = staged_cache(staged[:good], namespace, device, max_tokens, pool)
+    del staged  # back to the pool before the forward allocates
     timing.fetch_s = fetched - began
     timing.install_s = time.perf_counter() - fetched
     timing.wait_s = timing.load_s
@@ -142,15 +168,21 @@ def load_cache(
 
 
 def staged_cache(
-    staged: torch.Tensor, num_layers: int, device: torch.device, max_tokens: int
+    staged: torch.Tensor,
+    namespace: Namespace,
+    device: torch.device,
+    max_tokens: int,
+    pool: BufferPool | None = None,
 ) -> DynamicCache:
     """A cache holding the staged chunks' first ``max_tokens`` tokens (none: an empty cache)."""
-    layers = []
-    for index in range(num_layers):
-        layer = DynamicLayer()
-        if len(staged):
-            layer.update(*unpack_layer(staged, index, device, max_tokens))
-        layers.append(layer)
+    layout = namespace.layout
+    tokens = min(len(staged) * layout.chunk_tokens, max_tokens)
+    layers = [DynamicLayer() for _ in range(layout.num_layers)]
+    if tokens:
+        block = cache_tensors(layout, tokens, device, pool)
+        unpack(staged, block)
+        for index, layer in enumerate(layers):
+            install(layer, block[index, 0], block[index, 1])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return cache_of(layers)
@@ -182,12 +214,6 @@ class PendingLayer(DynamicLayer):
             self.installed = True
         return super().update(key_states, value_states, *args, **kwargs)
 
-    def install(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Called by the loader thread: the layer's prefix, ready to read."""
-        self.device = keys.device
-        self.keys, self.values = keys, values
-        self.is_initialized = True
-
 
 @dataclass
 class LayerwiseLoad:
@@ -204,6 +230,7 @@ class LayerwiseLoad:
     keys: Sequence[ChunkKey]
     device: torch.device
     max_tokens: int
+    pool: BufferPool | None = None
     timing: LoadTiming = field(default_factory=LoadTiming)
     good_chunks: int = 0
     staged: torch.Tensor | None = field(init=False, default=None)
@@ -242,10 +269,7 @@ class LayerwiseLoad:
         if self.staged is None:
             return empty_cache(self.namespace.layout.num_layers)
         return staged_cache(
-            self.staged[: self.good_chunks],
-            self.namespace.layout.num_layers,
-            self.device,
-            self.max_tokens,
+            self.staged[: self.good_chunks], self.namespace, self.device, self.max_tokens, self.pool
         )
 
     def wait(self, index: int) -> None:
@@ -269,27 +293,36 @@ class LayerwiseLoad:
         try:
             began = time.perf_counter()
             staged, self.good_chunks = fetch(
-                self.client, self.namespace, self.keys, pin=self._stream is not None
+                self.client, self.namespace, self.keys, pool=self.pool, pin=self._stream is not None
             )
             self.staged = staged
             self.timing.fetch_s = time.perf_counter() - began
             if self.good_chunks < len(self.keys):
                 return
+            began = time.perf_counter()
+            block = cache_tensors(
+                self.namespace.layout, self.planned_tokens, self.device, self.pool
+            )
+            self.timing.install_s += time.perf_counter() - began
             for index, layer in enumerate(self._layers):
                 began = time.perf_counter()
-                self._install(staged, index, layer)
+                self._install(staged, block, index, layer)
                 self.timing.install_s += time.perf_counter() - began
                 self._ready[index].set()
+            self.staged = None  # every layer is in: the staging buffer goes back to the pool
         except BaseException as error:  # handed to the forward's thread by wait()
             self._error = error
         finally:
             for ready in self._ready:
                 ready.set()
 
-    def _install(self, staged: torch.Tensor, index: int, layer: PendingLayer) -> None:
+    def _install(
+        self, staged: torch.Tensor, block: torch.Tensor, index: int, layer: PendingLayer
+    ) -> None:
         if self._stream is None:
-            layer.install(*unpack_layer(staged, index, self.device, self.max_tokens))
-            return
-        with torch.cuda.stream(self._stream):
-            layer.install(*unpack_layer(staged, index, self.device, self.max_tokens))
-        self._stream.synchronize()  # honest install timing; the forward waits on the stream too
+            unpack(staged, block, slice(index, index + 1))
+        else:
+            with torch.cuda.stream(self._stream):
+                unpack(staged, block, slice(index, index + 1))
+            self._stream.synchronize()  # honest install timing; the forward waits on it too
+        install(layer, block[index, 0], block[index, 1])

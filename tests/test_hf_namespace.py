@@ -10,12 +10,16 @@ from support import hf_models
 from support.hf_models import CHUNK
 
 from kvstore import ConfigError, LayoutMismatch
+from kvstore.client.buffers import BufferPool
 from kvstore.client.hf import HFKVStore
 from kvstore.client.hf_blocks import (
+    HF_LAYOUT,
+    block_shape,
+    cache_tensors,
     model_namespace,
     pack_chunks,
     staging_buffer,
-    unpack_layer,
+    unpack,
 )
 
 
@@ -100,15 +104,23 @@ def test_block_payload_round_trips_every_layer_and_head() -> None:
         for _ in range(layout.num_layers)
     ]
     chunks = pack_chunks(layers, layout, 1, 3)
-    assert [tuple(chunk.shape) for chunk in chunks] == [layout.chunk_shape] * 2
-    # LKTHD: chunk[layer, k|v, token, head] is the cache's [0, head, chunk*T + token].
-    assert torch.equal(chunks[1][2, 1, 3, 1], layers[2][1][0, 1, 2 * 4 + 3])
-    staged = staging_buffer(layout, 2)
-    for row, chunk in zip(staged, chunks, strict=True):
-        row.copy_(chunk)
-    for index, (keys, values) in enumerate(layers):
-        got_keys, got_values = unpack_layer(staged, index, torch.device("cpu"))
-        assert torch.equal(got_keys, keys[:, :, 4:12])
-        assert torch.equal(got_values, values[:, :, 4:12])
+    assert [chunk.nbytes for chunk in chunks] == [layout.chunk_nbytes] * 2
+    assert layout.name == HF_LAYOUT == "LKHTD"
+    # LKHTD: chunk[layer, k|v, head, token] is the cache's [0, head, chunk*T + token].
+    as_blocks = [torch.from_numpy(c).view(torch.float32).view(block_shape(layout)) for c in chunks]
+    assert torch.equal(as_blocks[1][2, 1, 1, 3], layers[2][1][0, 1, 2 * 4 + 3])
+    staged = staging_buffer(layout, 2, pool=BufferPool(1 << 20))
+    for row, block in zip(staged, as_blocks, strict=True):
+        row.copy_(block)
+    for seq in (8, 7, 4, 3):  # whole chunks, and cut inside the first and the second
+        block = cache_tensors(layout, seq, torch.device("cpu"), BufferPool(1 << 20))
+        unpack(staged, block)
+        one_layer = cache_tensors(layout, seq, torch.device("cpu"))
+        unpack(staged, one_layer, slice(1, 2))
+        assert torch.equal(one_layer[1], block[1])
+        for index, (keys, values) in enumerate(layers):
+            assert block[index, 0].is_contiguous()
+            assert torch.equal(block[index, 0], keys[:, :, 4 : 4 + seq])
+            assert torch.equal(block[index, 1], values[:, :, 4 : 4 + seq])
     with pytest.raises(LayoutMismatch, match="shape"):
         pack_chunks([(k[:, :1], v[:, :1]) for k, v in layers], layout, 0, 1)

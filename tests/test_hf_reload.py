@@ -16,8 +16,10 @@ import pytest
 import torch
 from support import hf_models
 from support.hf_models import CHUNK
+from transformers import DynamicCache
 
 from kvstore.client.hf import HFKVStore
+from kvstore.client.hf_cache import load_cache
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -118,3 +120,37 @@ def test_multi_turn_conversation_reuses_the_growing_prefix(tmp_path: Path) -> No
             user = hf_models.prompt(7 + turn, seed=20 + turn)
             conversation = torch.cat([result.sequences, user], dim=1)
     assert expected_loaded[1:] == sorted(expected_loaded[1:]) and expected_loaded[-1] >= 4 * CHUNK
+
+
+def test_loads_reuse_pooled_memory_but_never_that_of_a_live_cache(tmp_path: Path) -> None:
+    model = hf_models.model("llama")
+    ids = hf_models.prompt(3 * CHUNK + 4)
+    cpu, limit = torch.device("cpu"), ids.shape[1] - 1
+    with hf_models.embedded(tmp_path) as client:
+        kv = HFKVStore(model, client, chunk_tokens=CHUNK)
+        computed = kv.prefill(ids).cache
+        kv.save(ids, computed)
+        keys = kv.plan(ids)
+        run_bytes = len(keys) * kv.namespace.layout.chunk_nbytes  # staging, and the cache block
+
+        def load() -> DynamicCache:
+            cache, good, _ = load_cache(client, kv.namespace, keys, cpu, limit, kv.buffers)
+            assert good == len(keys)
+            for loaded, expected in zip(cache.layers, computed.layers, strict=True):
+                assert torch.equal(loaded.keys, expected.keys[:, :, : 3 * CHUNK])
+                assert torch.equal(loaded.values, expected.values[:, :, : 3 * CHUNK])
+            return cache
+
+        first = load()
+        assert kv.buffers.held_bytes == run_bytes  # the staging buffer came back
+        second = load()  # reuses that staging buffer; its cache is new memory
+        assert kv.buffers.held_bytes == run_bytes
+        first_pointer = first.layers[0].keys.data_ptr()
+        assert second.layers[0].keys.data_ptr() != first_pointer
+        del first  # a finished request: its cache's memory goes back to the pool
+        assert kv.buffers.held_bytes == 2 * run_bytes
+        third = load()
+        assert kv.buffers.held_bytes == run_bytes  # both its buffers came from the pool
+        assert third.layers[0].keys.data_ptr() != second.layers[0].keys.data_ptr()
+        for again, other in zip(second.layers, third.layers, strict=True):
+            assert torch.equal(again.keys, other.keys)
