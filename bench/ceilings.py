@@ -101,7 +101,10 @@ class RawLMDB:
     def get_into(self, keys: Sequence[bytes], outs: Sequence[np.ndarray]) -> None:
         with self._env.begin(buffers=True) as txn:  # zero-copy views of the map
             for key, out in zip(keys, outs, strict=True):
-                np.copyto(out, np.frombuffer(txn.get(key), dtype=np.uint8))
+                value = txn.get(key)
+                if value is None:
+                    raise KeyError(key)
+                np.copyto(out, np.frombuffer(value, dtype=np.uint8))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._env.begin(write=True) as txn:

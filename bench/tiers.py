@@ -56,7 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ceilings import RawBackend, RawDRAM, RawHBM, RawLMDB, RawRedis  # noqa: E402
 from common import (  # noqa: E402
+    VOCAB,
     Case,
+    ChunkSize,
+    MiB,
     RedisServer,
     Sample,
     bench_session,
@@ -65,6 +68,8 @@ from common import (  # noqa: E402
     gbps,
     log,
     machine_info,
+    make_chunks,
+    size_label,
     temp_dir,
     time_interleaved,
     time_reps,
@@ -76,24 +81,6 @@ from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys  # 
 from kvstore.store import TieredStore  # noqa: E402
 from kvstore.tiers.base import TierKind  # noqa: E402
 
-MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class ChunkSize:
-    """A chunk size and the bfloat16 layout that gives exactly that many bytes."""
-
-    label: str
-    layout: KVLayout
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.chunk_nbytes
-
-
-# Llama-3.1-8B's KV is 128 KiB per token (32 layers, 8 KV heads of 128, bf16):
-# 16 tokens of it are a 2 MiB chunk (vLLM's block), 128 tokens 16 MiB; 256 KiB
-# is 16 tokens of a 4-layer slice (a per-layer-group transfer).
 SIZES = (
     ChunkSize("256KiB", KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, chunk_tokens=16)),
     ChunkSize("2MiB", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, chunk_tokens=16)),
@@ -106,7 +93,6 @@ GET_GOALS = {"dram": 0.8, "ssd": 0.6, "redis": 0.8}
 GOAL_CHUNK_BYTES = 2 * MiB
 
 HASH_TOKENS = 1 << 22  # ~4M token ids
-VOCAB = 128_256  # Llama-3's vocabulary, so ids look like an engine's
 
 
 @dataclass(frozen=True)
@@ -333,14 +319,6 @@ def check_roundtrip(tier: str, got: list[Any], payloads: list[np.ndarray]) -> No
             raise RuntimeError(f"{tier}: chunk {index} did not round-trip")
 
 
-def make_chunks(size: ChunkSize, count: int, seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(size.layout.chunk_shape, generator=generator, dtype=torch.bfloat16)
-        for _ in range(count)
-    ]
-
-
 def measure_hashing(reps: int) -> dict[str, Any]:
     """Tokens/s of ``chunk_keys`` on ~4M token ids, one thread, per algorithm and dtype."""
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128)  # chunk_tokens=256
@@ -357,10 +335,6 @@ def measure_hashing(reps: int) -> dict[str, Any]:
 
 
 # -- output ----------------------------------------------------------------------
-
-
-def size_label(nbytes: int) -> str:
-    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
 
 
 def table(results: list[Result]) -> str:
