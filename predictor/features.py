@@ -73,6 +73,12 @@ def context_tokens(state: SessionState, now: float, tracker: SessionTracker) -> 
     return [math.log1p(state.context_tokens)]
 
 
+def new_tokens(state: SessionState, now: float, tracker: SessionTracker) -> list[float]:
+    """What the last request added to the context: a short follow-up question is a chat
+    in progress, a pasted document or a fresh prompt is more often a one-off."""
+    return [math.log1p(state.new_tokens)]
+
+
 def last_gap(state: SessionState, now: float, tracker: SessionTracker) -> list[float]:
     """log1p of the previous gap, and 1 if there was none."""
     if not state.gaps:
@@ -115,6 +121,7 @@ FEATURES: list[tuple[str, int, Feature]] = [
     ("last_steps", 1, last_steps),
     ("last_output_tokens", 1, last_output_tokens),
     ("context_tokens", 1, context_tokens),
+    ("new_tokens", 1, new_tokens),
     ("last_gap", 2, last_gap),
     ("mean_log_gap", 1, mean_log_gap),
     ("long_gaps", 1, long_gaps),

@@ -53,147 +53,28 @@ the trace, a perfect classifier at the model's horizons.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import numpy as np
-
-from kvstore.errors import UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.policy import EvictionPolicy, LRUPolicy
-from kvstore.predictor.online import ReturnForecast
+from kvstore.policy import LRUPolicy
+from kvstore.predictor.baselines import LRUBaseline, TTLPolicy
+from kvstore.predictor.hooks import (
+    Forecast,
+    IdleSession,
+    PrefetchStats,
+    SessionPolicy,
+    perfect_forecast,
+    session_namespace,
+)
+from kvstore.predictor.ranking import GapShape, Rank, TierRanking
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
 
 INF = math.inf
-
-
-class Forecast(Protocol):
-    """What a policy reads of a forecast (``online.ReturnForecast`` is one)."""
-
-    @property
-    def session(self) -> str: ...
-
-    @property
-    def at(self) -> float: ...
-
-    @property
-    def horizons(self) -> tuple[float, ...]:
-        """Where the forecast is made; ``within`` interpolates between them."""
-        ...
-
-    def within(self, seconds: float) -> float:
-        """P(the session returns within ``seconds`` of going idle at ``at``)."""
-        ...
-
-
-class GapShape:
-    """Where, between two horizons, returns fall: the histogram of every idle gap that
-    ended in a return, on a log grid, learnt online.
-
-    A forecast is calibrated at its horizons only; between them
-    ``ReturnForecast.within`` is linear in log time, which puts half of the
-    first minute's returns in its first 7 s. Ranking idle sessions by the chance
-    that they return *soon* depends on that shape, so the policy reads a
-    forecast between horizons with the shape of the gaps it has seen instead,
-    once an interval holds ``min_samples`` of them.
-    """
-
-    EDGES = (0.0, *np.geomspace(1.0, 7 * 86400.0, 80))
-
-    def __init__(self, min_samples: int = 50) -> None:
-        self.min_samples = min_samples
-        self._log_edges = np.log1p(np.asarray(self.EDGES))
-        self._cumulative = np.zeros(len(self.EDGES))  # gaps <= each edge
-
-    def add(self, gap: float) -> None:
-        index = bisect.bisect_left(self.EDGES, gap)
-        self._cumulative[index:] += 1
-
-    def count(self, seconds: float) -> float:
-        """Gaps seen up to ``seconds``, interpolated within a bin in log time."""
-        return float(np.interp(math.log1p(max(0.0, seconds)), self._log_edges, self._cumulative))
-
-    def share(self, low: float, high: float, seconds: float) -> float | None:
-        """Of the gaps in ``(low, high]``, the share up to ``seconds`` (None: too few)."""
-        below = self.count(low)
-        total = self.count(high) - below
-        if total < self.min_samples:
-            return None
-        return min(1.0, max(0.0, (self.count(seconds) - below) / total))
-
-
-class IdleSession(Protocol):
-    """What a policy reads of a session (``sessions.SessionState`` is one)."""
-
-    @property
-    def session(self) -> str: ...
-
-    @property
-    def namespace(self) -> bytes | None: ...
-
-    @property
-    def chain(self) -> tuple[ChunkKey, ...]: ...
-
-    @property
-    def tool_running(self) -> bool: ...
-
-
-class SessionPolicy(EvictionPolicy, Protocol):
-    """An eviction policy that also hears about sessions (every policy in this module)."""
-
-    prefetches: PrefetchStats
-
-    def on_idle(
-        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
-    ) -> TierKind | None:
-        """``state`` went idle; place its chain. Returns the tier it is kept in (None: not
-        placed by this policy)."""
-        ...
-
-    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
-        """A request of ``state`` began: its lookup comes next."""
-        ...
-
-    def tick(self, store: TieredStore, now: float) -> None:
-        """Timer: re-place idle sessions as their idle time grows."""
-        ...
-
-
-def perfect_forecast(
-    session: str, at: float, gap: float, horizons: Sequence[float]
-) -> ReturnForecast:
-    """The oracle's forecast of a session that will be back after ``gap`` seconds
-    (``math.inf``: never): a perfect classifier, 1 at every horizon the gap falls
-    within and 0 at the others, read between horizons as any forecast is."""
-    horizons = tuple(float(h) for h in horizons)
-    return ReturnForecast(session, at, horizons, tuple(float(gap <= h) for h in horizons))
-
-
-@dataclass
-class PrefetchStats:
-    """Chunks promoted ahead of a lookup, and what became of them."""
-
-    issued: int = 0
-    used: int = 0  # read from the tier they were promoted to before leaving it
-    wasted: int = 0  # left that tier unread
-
-    @property
-    def pending(self) -> int:
-        return self.issued - self.used - self.wasted
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "issued": self.issued,
-            "used": self.used,
-            "wasted": self.wasted,
-            "pending": self.pending,
-        }
 
 
 @dataclass(frozen=True)
@@ -210,85 +91,6 @@ class PlacementConfig:
 
     def horizon(self, kind: TierKind) -> float:
         return self.horizons_s[kind]
-
-
-class LRUBaseline(LRUPolicy):
-    """The store's LRU with session hooks that do nothing: the ``lru`` baseline."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.prefetches = PrefetchStats()
-
-    def on_idle(
-        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
-    ) -> TierKind | None:
-        return None
-
-    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
-        return None
-
-    def tick(self, store: TieredStore, now: float) -> None:
-        return None
-
-
-class TTLPolicy(LRUBaseline):
-    """A fixed idle timeout: a session idle ``seconds`` has its blocks demoted out of HBM.
-
-    Only blocks nobody touched for ``seconds`` move, so a prefix that other
-    sessions keep using stays hot. Eviction under pressure is LRU.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-        self._now = 0.0
-        self._touched: dict[ChunkKey, float] = {}  # HBM key -> last access (hook time)
-        self._idle: dict[str, tuple[float, IdleSession]] = {}  # session -> (idle since, state)
-
-    def on_access(
-        self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
-    ) -> None:
-        super().on_access(tier, keys, session)
-        if tier is TierKind.HBM:
-            for key in keys:
-                self._touched[key] = self._now
-
-    def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
-        super().on_remove(tier, key)
-        if tier is TierKind.HBM:
-            self._touched.pop(key, None)
-
-    def on_idle(
-        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
-    ) -> TierKind | None:
-        self._now = now
-        self._idle.pop(state.session, None)  # re-inserted last: the dict stays in idle order
-        self._idle[state.session] = (now, state)
-        return TierKind.HBM
-
-    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
-        self._now = now
-        self._idle.pop(state.session, None)
-
-    def tick(self, store: TieredStore, now: float) -> None:
-        self._now = now
-        expired = []
-        for session, (since, _) in self._idle.items():  # oldest idle first
-            if now - since < self.seconds:
-                break
-            expired.append(session)
-        for session in expired:
-            _, state = self._idle.pop(session)
-            namespace = _namespace(store, state)
-            if namespace is None:
-                continue
-            stale = [
-                key
-                for key in state.chain
-                if key in self._touched and now - self._touched[key] >= self.seconds
-            ]
-            if stale:
-                store.demote(namespace, stale, to=TierKind.DRAM)
 
 
 @dataclass
@@ -308,98 +110,12 @@ class _Session:
 
 
 # One session's place in a tier's eviction order: (p within horizon, p at all, recency).
-_Rank = tuple[float, float, int]
+
+
 FULL = 0.95  # a tier this full is under pressure: a chain must outrank its next victim
 _RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
 _ACTIVE: tuple[float, float] = (INF, INF)
 _UNKNOWN: tuple[float, float] = (0.0, 0.0)
-
-
-class _TierRanking:
-    """The sessions holding blocks in one tier, in eviction order, and their blocks.
-
-    ``entries`` is kept sorted; a session whose rank changes gets a new entry
-    and its old one goes stale (``live`` names the current one), to be skipped
-    and dropped at the next compaction. Blocks of each session are kept in
-    chain order, head first, so the tail is evicted first.
-    """
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[_Rank, str]] = []
-        self.live: dict[str, tuple[_Rank, str]] = {}
-        self.blocks: dict[str, dict[ChunkKey, None]] = {}
-        self.owner: dict[ChunkKey, str] = {}
-
-    def add(self, key: ChunkKey, session: str) -> bool:
-        """File ``key`` under ``session``; returns whether the session is new to the tier."""
-        current = self.owner.get(key)
-        if current == session:
-            return False
-        if current is not None:
-            self._unfile(key, current)
-        self.owner[key] = session
-        blocks = self.blocks.get(session)
-        new = blocks is None
-        if blocks is None:
-            blocks = self.blocks[session] = {}
-        blocks[key] = None
-        return new
-
-    def remove(self, key: ChunkKey) -> None:
-        session = self.owner.pop(key, None)
-        if session is not None:
-            self._unfile(key, session)
-
-    def _unfile(self, key: ChunkKey, session: str) -> None:
-        blocks = self.blocks[session]
-        del blocks[key]
-        if not blocks:
-            del self.blocks[session]
-            self.live.pop(session, None)
-
-    def rank(self, session: str, rank: _Rank) -> None:
-        old = self.live.get(session)
-        if old is not None and old[0] == rank:
-            return
-        entry = (rank, session)
-        self.live[session] = entry
-        bisect.insort(self.entries, entry)
-        if len(self.entries) > 2 * len(self.live) + 64:
-            self.entries = sorted(self.live.values())
-
-    def drop_stale(self) -> None:
-        """Drop stale entries from the front, so the first entry is a live one."""
-        entries = self.entries
-        while entries and self.live.get(entries[0][1]) is not entries[0]:
-            del entries[0]
-
-    def victims(self) -> Iterator[ChunkKey]:
-        self.drop_stale()
-        position = 0
-        while position < len(self.entries):
-            entry = self.entries[position]
-            position += 1
-            session = entry[1]
-            if self.live.get(session) is not entry:
-                continue
-            yield from _tail_first(self.blocks, session)
-
-
-def _tail_first(blocks: dict[str, dict[ChunkKey, None]], session: str) -> Iterator[ChunkKey]:
-    """``blocks[session]`` from the tail, in small snapshots (the store may remove keys
-    between two ``next`` calls)."""
-    seen: set[ChunkKey] = set()
-    while True:
-        held = blocks.get(session)
-        if not held:
-            return
-        batch = [key for key in itertools.islice(reversed(held), len(seen) + 16) if key not in seen]
-        if not batch:
-            return
-        for key in batch:
-            seen.add(key)
-            if key in held:
-                yield key
 
 
 class PlacementPolicy:
@@ -413,7 +129,7 @@ class PlacementPolicy:
         self._now = 0.0
         self._recency = itertools.count(1)
         self._sessions: dict[str, _Session] = {}
-        self._tiers: dict[TierKind, _TierRanking] = {kind: _TierRanking() for kind in TierKind}
+        self._tiers: dict[TierKind, TierRanking] = {kind: TierRanking() for kind in TierKind}
         self._anonymous = LRUPolicy()  # blocks no session touched
         self._owner: dict[ChunkKey, str] = {}  # last session to touch each held key
         self._prefetched: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
@@ -601,7 +317,7 @@ class PlacementPolicy:
         ):
             placed = order[order.index(placed) + 1]
         level = self._level(session.name)
-        namespace = _namespace(store, state)
+        namespace = session_namespace(store, state)
         rising = target is not None and (session.target is None or target < session.target)
         session.target = target
         if namespace is not None and level is not None:
@@ -690,7 +406,7 @@ class PlacementPolicy:
         state = session.state
         if state is None:
             return
-        namespace = _namespace(store, state)
+        namespace = session_namespace(store, state)
         if namespace is None:
             return
         # The cached head of the chain (a lookup reads no further), at most half the
@@ -707,12 +423,16 @@ class PlacementPolicy:
                 slower.append(key)
         if not slower:
             return
+        sources = [(key, self._fastest(key)) for key in slower]
         store.promote(namespace, head, to=to)
         landed = self._tiers[to].owner
-        for key in slower:
-            if key in landed:
+        copies: list[tuple[ChunkKey, TierKind]] = []
+        for key, source in sources:
+            if key in landed and source is not None:
                 self._prefetched[to].add(key)
                 self.prefetches.issued += 1
+                copies.append((key, source))
+        self.prefetches.transfer(copies, self._now, _chunk_seconds(store, namespace))
 
     def _slots(self, store: TieredStore, kind: TierKind) -> int:
         """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
@@ -764,7 +484,7 @@ class PlacementPolicy:
             session = self._sessions[name] = _Session(name)
         return session
 
-    def _rank(self, session: _Session, kind: TierKind) -> _Rank:
+    def _rank(self, session: _Session, kind: TierKind) -> Rank:
         chance = session.score.get(kind)
         if chance is None or session.active:
             chance = self._returning(session, kind, self._now)
@@ -779,10 +499,23 @@ class PlacementPolicy:
                 ranking.rank(session.name, self._rank(session, kind))
 
 
-def _namespace(store: TieredStore, state: IdleSession) -> Namespace | None:
-    if state.namespace is None:
-        return None
-    try:
-        return store.namespace(state.namespace)
-    except UnknownNamespace:
-        return None
+def _chunk_seconds(store: TieredStore, namespace: Namespace) -> dict[TierKind, float]:
+    """How long one chunk of ``namespace`` takes to load from each tier (``CostModel``)."""
+    costs = store.config.costs
+    layout = namespace.layout
+    per_token = costs.kv_bytes_per_token or layout.chunk_nbytes / layout.chunk_tokens
+    return {kind: costs.load_seconds(kind, layout.chunk_tokens, per_token) for kind in TierKind}
+
+
+__all__ = [
+    "Forecast",
+    "GapShape",
+    "IdleSession",
+    "LRUBaseline",
+    "PlacementConfig",
+    "PlacementPolicy",
+    "PrefetchStats",
+    "SessionPolicy",
+    "TTLPolicy",
+    "perfect_forecast",
+]

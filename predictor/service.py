@@ -48,7 +48,7 @@ from kvstore.events import UNNAMED, RequestStarted, SessionEvent
 from kvstore.keys import ChunkKey
 from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.features import feature_names
-from kvstore.predictor.model import ReturnModel
+from kvstore.predictor.model import REHEARSAL, ReturnModel
 from kvstore.predictor.online import OnlineLearner
 from kvstore.predictor.policy import PlacementPolicy
 from kvstore.predictor.quality import PrequentialScores
@@ -104,7 +104,8 @@ def load_model(config: PredictorConfig, saved: Path) -> tuple[ReturnModel, str]:
                 f"this version computes {width}: train it again with kvstore train-predictor"
             )
         return model, "weights"
-    return ReturnModel(width, config.horizons_s), "prior"
+    # The configuration the replay measured (docs/predictor_features.md): rehearsal on.
+    return ReturnModel(width, config.horizons_s, rehearsal=REHEARSAL), "prior"
 
 
 def _read_model(path: Path) -> ReturnModel:

@@ -53,6 +53,7 @@ class SessionState:
     idle_since: float | None = None
     gaps: list[float] = field(default_factory=list)
     last_trigger: Trigger | None = None
+    new_tokens: int = 0  # prompt tokens of the latest request beyond the previous context
     last_steps: int = 0
     last_output_tokens: int = 0
     context_tokens: int = 0
@@ -98,6 +99,9 @@ class SessionTracker:
                 history = self._user_gaps.setdefault(state.user, deque(maxlen=USER_HISTORY))
                 history.append(gap)
         state.idle_since = None
+        # What the human (or the tool) added: the prompt beyond the context the previous
+        # request ended with; the whole prompt for a session's first request.
+        state.new_tokens = max(0, event.prompt_tokens - state.context_tokens)
         state.running += 1
         state.requests += 1
         state.last_trigger = event.trigger

@@ -10,13 +10,14 @@ from support import kv
 
 from kvstore import TieredStore, TierKind
 from kvstore.events import RequestFinished, RequestStarted, Trigger
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import ChunkKey, Namespace, external_keys
 from kvstore.predictor.model import DEFAULT_HORIZONS
 from kvstore.predictor.online import ReturnForecast
 from kvstore.predictor.policy import (
     LRUBaseline,
     PlacementConfig,
     PlacementPolicy,
+    PrefetchStats,
     SessionPolicy,
     TTLPolicy,
     perfect_forecast,
@@ -216,3 +217,35 @@ def test_perfect_forecast_is_a_perfect_classifier_at_the_horizons() -> None:
     assert 0.0 < soon.within(300.0) < 1.0  # read between horizons as a learnt one is
     never = perfect_forecast("s", 0.0, float("inf"), DEFAULT_HORIZONS)
     assert never.probabilities == (0.0, 0.0, 0.0)
+
+
+def test_a_prefetch_lands_only_after_its_copies_queue_on_the_source_link(
+    three_tiers: Sessions,
+) -> None:
+    run = three_tiers
+    run.busy(5)
+    state = run.request("a", 0, 3, now=0.0)
+    run.policy.on_idle(run.store, state, forecast("a", 1.0, 0.05, 0.2, 0.4), 1.0)
+    assert run.where(0, 3) == [DRAM] * 3
+    costs = run.store.config.costs
+    layout = run.ns.layout
+    one = costs.load_seconds(DRAM, layout.chunk_tokens, layout.chunk_nbytes / layout.chunk_tokens)
+    run.policy.on_resume(run.store, state, 500.0)
+    assert run.where(0, 3) == [HBM] * 3  # the store moved them at once ...
+    prefetches = run.policy.prefetches
+    keys = run.keys(0, 3)
+    # ... but the copies run one after another over DRAM's link: chunk i lands at (i+1) * one.
+    for i, key in enumerate(keys):
+        assert prefetches.loading(key, 500.0 + (i + 0.5) * one) is DRAM
+        assert prefetches.loading(key, 500.0 + (i + 1) * one) is None
+    assert prefetches.loading(keys[0], 500.0) is None  # landed: forgotten
+
+
+def test_prefetch_copies_from_two_tiers_do_not_wait_for_each_other() -> None:
+    stats = PrefetchStats()
+    a, b, c = external_keys(kv.namespace(), [b"a", b"b", b"c"])
+    stats.transfer([(a, SSD), (b, SSD)], 10.0, {SSD: 2.0, DRAM: 0.5})
+    stats.transfer([(c, DRAM)], 10.0, {SSD: 2.0, DRAM: 0.5})
+    assert stats.in_flight == {a: (12.0, SSD), b: (14.0, SSD), c: (10.5, DRAM)}
+    stats.transfer([(a, SSD)], 13.0, {SSD: 2.0})  # the SSD link is busy until 14
+    assert stats.in_flight[a] == (16.0, SSD)

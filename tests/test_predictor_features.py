@@ -30,6 +30,7 @@ def test_hand_built_session_gives_exact_values() -> None:
         idle_since=MONDAY_6AM,
         gaps=[5.0, 900.0, 30.0],
         last_trigger=Trigger.TOOL,
+        new_tokens=1023,
         last_steps=9,
         last_output_tokens=255,
         context_tokens=65535,
@@ -45,6 +46,7 @@ def test_hand_built_session_gives_exact_values() -> None:
     assert f["last_steps"] == pytest.approx(math.log(10.0))
     assert f["last_output_tokens"] == pytest.approx(math.log(256.0))
     assert f["context_tokens"] == pytest.approx(math.log(65536.0))
+    assert f["new_tokens"] == pytest.approx(math.log(1024.0))
     assert (f["last_gap[0]"], f["last_gap[1]"]) == (pytest.approx(math.log(31.0)), 0.0)
     assert f["mean_log_gap"] == pytest.approx((math.log(6) + math.log(901) + math.log(31)) / 3)
     assert f["long_gaps"] == pytest.approx(math.log(2.0))  # one gap over 10 min
@@ -81,3 +83,14 @@ def test_vector_matches_the_registry() -> None:
     assert vector.dtype == np.float32
     assert len(vector) == len(feature_names()) == sum(width for _, width, _ in FEATURES)
     assert len(set(feature_names())) == len(feature_names())
+
+
+def test_new_tokens_are_the_prompt_beyond_the_previous_context() -> None:
+    tracker = SessionTracker()
+    state, _ = tracker.started(RequestStarted("s", Trigger.USER, 3000, 0, 0.0))
+    assert state.new_tokens == 3000  # a first request: all of it is new
+    tracker.finished(RequestFinished("s", 1, 200, 3200, False, 0, 0, 5.0))
+    state, _ = tracker.started(RequestStarted("s", Trigger.USER, 3250, 0, 60.0))
+    assert state.new_tokens == 50  # a short follow-up question
+    state = tracker.finished(RequestFinished("s", 1, 10, 3260, False, 0, 0, 61.0))
+    assert by_name(state, 61.0, tracker)["new_tokens"] == pytest.approx(math.log(51.0))

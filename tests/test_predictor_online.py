@@ -44,7 +44,7 @@ def finish(session: str, at: float, tool: bool = False) -> RequestFinished:
 
 def learner() -> tuple[OnlineLearner, RecordingModel, PrequentialScores]:
     model, scores = RecordingModel(), PrequentialScores()
-    return OnlineLearner(model, SessionTracker(), scores), model, scores
+    return OnlineLearner(model, SessionTracker(), scores, learn_at_horizon=False), model, scores
 
 
 def exact_auc(scores: np.ndarray, labels: np.ndarray) -> float:

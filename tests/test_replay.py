@@ -12,11 +12,19 @@ import pytest
 from kvstore.cli import main
 from kvstore.errors import ConfigError
 from kvstore.events import RequestFinished, RequestStarted, Trigger
-from kvstore.predictor.features import feature_names
+from kvstore.predictor.features import FEATURES, feature_names
 from kvstore.predictor.model import ReturnModel
 from kvstore.predictor.online import OnlineLearner
 from kvstore.predictor.quality import PrequentialScores
+from kvstore.predictor.replay.ablation import (
+    ablation,
+    columns_of,
+    head,
+    idle_examples,
+    prequential,
+)
 from kvstore.predictor.replay.costs import Sizing
+from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
 from kvstore.predictor.replay.report import gap_closed, summarize
 from kvstore.predictor.replay.simulator import (
     PolicyKind,
@@ -25,6 +33,7 @@ from kvstore.predictor.replay.simulator import (
     horizons_for,
     parse_policies,
     replay,
+    train,
 )
 from kvstore.predictor.replay.traces import load_trace
 from kvstore.predictor.sessions import SessionTracker
@@ -141,7 +150,7 @@ def test_learning_at_the_horizon_holds_a_return_until_its_horizon_passes() -> No
     tracker = SessionTracker()
     scores = PrequentialScores()
     model = ReturnModel(len(feature_names()), (60.0, 600.0))
-    learner = OnlineLearner(model, tracker, scores, learn_at_horizon=True)
+    learner = OnlineLearner(model, tracker, scores)  # learn_at_horizon is the default
     learner.observe(RequestStarted("s", Trigger.USER, 10, 0, 0.0))
     learner.observe(RequestFinished("s", 1, 5, 15, False, 0, 0, 1.0))
     learner.observe(RequestStarted("s", Trigger.USER, 20, 0, 31.0))  # back after 30 s
@@ -213,3 +222,78 @@ def test_mooncake_conversation_trace_quick() -> None:
         assert run.requests == 300
         assert run.hit_tokens + run.recomputed_tokens == run.prompt_tokens
         assert run.hit_rate > 0.05  # the shared system prompt alone is a hit for every request
+
+
+def test_ablation_replays_the_learners_labels_and_blanks_features(trace_file: Path) -> None:
+    trace = load_trace(trace_file)
+    examples = idle_examples(trace)
+    assert len(examples.at) == len(trace.requests)  # every request ends idle: no overlaps here
+    returned = np.isfinite(examples.gap)
+    assert returned.sum() == len(trace.requests) - len(trace.sessions())
+    assert (examples.gap[returned] > 0).all()
+
+    # Same labels, same censoring as the online learner over the same events.
+    horizons = (60.0, 600.0)
+    online = train([trace], ReturnModel(len(feature_names()), horizons)).report()
+    windowed = prequential(examples, horizons)
+    assert windowed["n"] == online["n"]
+    assert windowed["positive_rate"] == online["positive_rate"]
+    assert windowed["last_gap_auc"] == online["last_gap_auc"]
+
+    # Feature names map to their columns; the table has one row per feature blanked.
+    names = [name for name, _, _ in FEATURES]
+    assert columns_of(["requests"]) == [feature_names().index("requests")]
+    assert len(columns_of(names)) == len(feature_names())
+    with pytest.raises(ConfigError, match="unknown features"):
+        columns_of(["no-such-feature"])
+    table = ablation(examples, horizons)
+    assert set(table) == {"all", *names}
+    assert all(set(aucs) == {"60", "600"} for aucs in table.values())
+
+
+def test_a_blurred_oracle_has_the_auc_asked_for_and_stays_calibrated() -> None:
+    rng = np.random.default_rng(1)
+    gaps = np.where(rng.random(20_000) < 0.4, rng.uniform(1, 600, 20_000), math.inf)
+    rates = base_rates([0.0] * len(gaps), list(gaps), (60.0, 600.0), end=1e9)
+    assert rates[1] == pytest.approx(0.4, abs=0.01)
+    oracle = BlurredOracle(0.7, rates, seed=0)
+    forecasts = [oracle.forecast("s", 0.0, float(g), (60.0, 600.0)) for g in gaps]
+    p = np.array([f.probabilities for f in forecasts])
+    assert (p[:, 1] >= p[:, 0]).all()  # monotone across horizons
+    labels = gaps <= 600.0
+    scores = PrequentialScores()
+    for probability, label in zip(p[:, 1], labels, strict=True):
+        scores.record(600.0, float(probability), int(label), None)
+    assert scores.report()["auc"]["600"] == pytest.approx(0.7, abs=0.015)
+    assert p[:, 1].mean() == pytest.approx(labels.mean(), abs=0.02)  # calibrated on average
+    assert parse_policies("oracle:0.7,oracle")[0].name == "oracle:0.7"
+    with pytest.raises(ConfigError, match=r"\(0.5, 1\)"):
+        parse_policies("oracle:1.5")
+
+
+def test_the_head_of_a_trace_hides_returns_after_its_end(trace_file: Path) -> None:
+    examples = idle_examples(load_trace(trace_file))
+    until = float(np.median(examples.at))
+    first = head(examples, until)
+    assert len(first.at) == int((examples.at < until).sum())
+    assert first.end == until
+    late = first.at + examples.gap[examples.at < until] >= until
+    assert late.any()  # some sessions came back only after the cut ...
+    assert np.isinf(first.gap[late]).all()  # ... and the head does not know it
+    assert (first.gap[~late] == examples.gap[examples.at < until][~late]).all()
+
+
+def test_score_from_charges_only_the_later_requests_after_the_same_warm_up(
+    trace_file: Path, results
+) -> None:
+    trace, everything = results
+    cut = trace.requests[len(trace.requests) // 2].time
+    later = [r for r in trace.requests if r.time >= cut]
+    (lru,) = replay(trace, parse_policies("lru"), ReplayConfig(SMALL, score_from=cut))
+    assert lru.requests == len(later)
+    assert lru.prompt_tokens == sum(r.prompt_tokens for r in later)
+    assert lru.hit_tokens + lru.recomputed_tokens == lru.prompt_tokens
+    # The same run, charged from the cut: the later requests cost what they cost in full.
+    full = everything[0]
+    assert full.name == "lru"
+    assert lru.ttft_s == full.ttft_s[len(full.ttft_s) - len(later) :]

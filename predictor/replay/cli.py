@@ -69,6 +69,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     replay.add_argument("--tick", type=float, default=10.0, help="policy timer, seconds")
     replay.add_argument("--max-requests", type=int, help="replay only the first N requests")
     replay.add_argument("--model", type=Path, help="start the predictor from a trained model")
+    replay.add_argument(
+        "--score-from",
+        type=float,
+        default=float("-inf"),
+        metavar="SECONDS",
+        help="charge only requests from this trace time on (after pre-training on the part before)",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots to DIR")
     replay.add_argument(
@@ -129,6 +136,7 @@ def _replay(args: argparse.Namespace) -> int:
             tick_s=args.tick,
             max_requests=args.max_requests,
             model_path=args.model,
+            score_from=args.score_from,
             redis_url=redis_url,
         )
         results = replay(trace, specs, config, progress)
@@ -178,13 +186,13 @@ def _progress(policy: str, done: int, total: int) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from kvstore.predictor.features import feature_names
-    from kvstore.predictor.model import ReturnModel
+    from kvstore.predictor.model import REHEARSAL, ReturnModel
     from kvstore.predictor.replay.simulator import train
     from kvstore.predictor.replay.traces import TraceFormat, load_trace
 
     trace_format = TraceFormat(args.format) if args.format else None
     traces = [load_trace(path, trace_format) for path in args.traces]
-    model = ReturnModel(len(feature_names()), hidden=args.hidden)
+    model = ReturnModel(len(feature_names()), hidden=args.hidden, rehearsal=REHEARSAL)
     scores = train(traces, model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)

@@ -142,6 +142,7 @@ def summarize(
             "tick_s": config.tick_s,
             "horizons": list(horizons),
             "max_requests": config.max_requests,
+            "score_from": config.score_from if math.isfinite(config.score_from) else None,
         },
         "policies": policies,
         "summary": summary,

@@ -8,10 +8,11 @@ Each request becomes two session events, and a timer ticks in between::
     request_finished  (+ decode)     tracker/learner (forecast) ─► policy.on_idle
     tick              (every tick_s) learner.tick, policy.tick, HBM held by idle sessions
 
-Events run in time order (at equal times a finish before a start), and every
-tick due by an event's time runs before it. A request ends after
-``output_tokens / decode_tokens_per_s`` seconds, or when its session's next
-request arrives, if that is sooner.
+The tracker, learner and policy calls go through ``driver.SessionDriver``, the
+same wiring the daemon uses (``service``). Events run in time order (at equal
+times a finish before a start), and every tick due by an event's time runs
+before it. A request ends after ``output_tokens / decode_tokens_per_s``
+seconds, or when its session's next request arrives, if that is sooner.
 
 What is real: the store (an HBM tier on ``device="cpu"``, a shared-memory
 DRAM arena, LMDB in a temporary directory with ``sync=False``, a private
@@ -20,19 +21,22 @@ the tracker, the features, the model and its online learning. What is
 modeled: payload bytes (a 1 KiB stand-in per chunk, ``costs.stand_in_layout``),
 time (the trace's clock), and every cost (``costs.CostMeter``).
 
-The lookup answers before ``on_resume`` prefetches, and the request is charged
-from the tiers the lookup saw: the replay has no queueing delay between a
-request-began event and its lookup, so a prefetch at resume cannot hide any
-load; one made at a tick, ahead of the return, can.
+Prefetches take time. The lookup answers before ``on_resume`` prefetches, and
+the request is charged from the tiers the lookup saw, except that a chunk
+whose prefetch copy has not landed yet (``PrefetchStats.loading``: copies queue
+per source tier and each takes its modeled load time) is charged from the tier
+it is being copied from. So a prefetch at resume hides no load, and one made at
+a tick, ahead of the return, is credited only if its copy finished before the
+request arrived.
 
 ``oracle`` is ``PlacementPolicy`` fed ``policy.perfect_forecast`` with the
-session's true next arrival read from the trace instead of the model.
+session's true next arrival read from the trace instead of the model;
+``oracle:AUC`` blurs that truth to the given AUC (``replay.oracle``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import tempfile
 from collections import Counter
@@ -44,20 +48,18 @@ import torch
 
 from kvstore.config import CostModel, StoreConfig, TierConfig
 from kvstore.errors import ConfigError
-from kvstore.events import RequestFinished, RequestStarted, Trigger
-from kvstore.keys import ChunkKey, Namespace, external_keys
+from kvstore.events import RequestStarted
+from kvstore.keys import ChunkKey, Namespace
 from kvstore.policy import EvictionPolicy
+from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.features import feature_names
-from kvstore.predictor.model import DEFAULT_HORIZONS, ReturnModel
+from kvstore.predictor.model import DEFAULT_HORIZONS, REHEARSAL, Rehearsal, ReturnModel
 from kvstore.predictor.online import OnlineLearner, ReturnForecast
 from kvstore.predictor.policy import (
-    Forecast,
-    LRUBaseline,
     PlacementConfig,
     PlacementPolicy,
     PrefetchStats,
     SessionPolicy,
-    TTLPolicy,
     perfect_forecast,
 )
 from kvstore.predictor.quality import PrequentialScores
@@ -69,67 +71,24 @@ from kvstore.predictor.replay.costs import (
     stand_in_capacity,
     stand_in_layout,
 )
+from kvstore.predictor.replay.events import (
+    BlockKeys,
+    ReplayEvent,
+    Step,
+    finished_event,
+    requests_of,
+    session_events,
+)
+from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
+from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, make_policy, parse_policies
 from kvstore.predictor.replay.traces import Trace, TraceRequest
+from kvstore.predictor.replay.training import train
 from kvstore.predictor.sessions import SessionTracker
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
 
 Progress = Callable[[str, int, int], None]
 """``progress(policy, requests done, requests in all)``."""
-
-
-class PolicyKind(enum.Enum):
-    LRU = "lru"
-    TTL = "ttl"
-    PREDICTOR = "predictor"
-    ORACLE = "oracle"
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """One policy of a replay, as named on the command line (``ttl:300``)."""
-
-    kind: PolicyKind
-    seconds: float | None = None
-
-    @property
-    def name(self) -> str:
-        return f"ttl:{self.seconds:g}" if self.kind is PolicyKind.TTL else self.kind.value
-
-    @property
-    def baseline(self) -> bool:
-        return self.kind in (PolicyKind.LRU, PolicyKind.TTL)
-
-
-def parse_policies(text: str) -> list[PolicySpec]:
-    """``"lru,ttl:60,predictor,oracle"`` -> specs, in order, without duplicates."""
-    specs: list[PolicySpec] = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        name, _, argument = item.partition(":")
-        try:
-            kind = PolicyKind(name.lower())
-        except ValueError:
-            raise ConfigError(
-                f"unknown policy {item!r}; expected lru, ttl:SECONDS, predictor or oracle"
-            ) from None
-        seconds = None
-        if kind is PolicyKind.TTL:
-            try:
-                seconds = float(argument)
-            except ValueError:
-                raise ConfigError(f"ttl needs seconds, e.g. ttl:300 (got {item!r})") from None
-            if not seconds > 0:
-                raise ConfigError(f"ttl seconds must be positive (got {item!r})")
-        elif argument:
-            raise ConfigError(f"policy {name!r} takes no argument (got {item!r})")
-        spec = PolicySpec(kind, seconds)
-        if spec not in specs:
-            specs.append(spec)
-    if not specs:
-        raise ConfigError("no policy given")
-    return specs
 
 
 @dataclass(frozen=True)
@@ -148,6 +107,12 @@ class ReplayConfig:
     model_path: Path | None = None
     seed: int = 0
     redis_url: str | None = None
+    rehearsal: Rehearsal | None = REHEARSAL
+    """The predictor's rehearsal of recent labels (``model.Rehearsal``); None: off."""
+    score_from: float = -math.inf
+    """Charge only requests that arrive at or after this trace time; earlier ones still
+    run (they warm the store and the learner). For scoring the rest of a trace after
+    pre-training a model on its first part: the charged part must be unseen."""
 
 
 @dataclass
@@ -180,63 +145,29 @@ class PolicyResult:
         return self.hbm_byte_seconds_idle / 1e9 / 3600.0
 
 
-# -- events -------------------------------------------------------------------------
-
-
-class _Step(enum.IntEnum):
-    """Order of simultaneous events."""
-
-    FINISH = 0
-    START = 1
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayEvent:
-    """A request starting or finishing; for a finish, when its session is next back."""
-
-    time: float
-    step: _Step
-    request: int  # index into the replayed requests
-    next_start: float | None = None
-    tool_next: bool = False  # the session's next request is a tool result
-
-
-def requests_of(trace: Trace, max_requests: int | None = None) -> tuple[TraceRequest, ...]:
-    return trace.requests if max_requests is None else trace.requests[:max_requests]
-
-
-def session_events(
-    requests: Sequence[TraceRequest], decode_tokens_per_s: float = DECODE_TOKENS_PER_S
-) -> list[ReplayEvent]:
-    """Start and finish events of ``requests`` in replay order."""
-    following: dict[int, int] = {}
-    last: dict[str, int] = {}
-    for index, request in enumerate(requests):
-        if request.session in last:
-            following[last[request.session]] = index
-        last[request.session] = index
-    events: list[ReplayEvent] = []
-    for index, request in enumerate(requests):
-        events.append(ReplayEvent(request.time, _Step.START, index))
-        after = following.get(index)
-        end = request.time + request.output_tokens / decode_tokens_per_s
-        next_start = requests[after].time if after is not None else None
-        if next_start is not None:
-            end = min(end, next_start)
-        tool_next = after is not None and requests[after].trigger is Trigger.TOOL
-        events.append(ReplayEvent(end, _Step.FINISH, index, next_start, tool_next))
-    events.sort(key=lambda e: (e.time, e.step, e.request))
-    return events
-
-
 def idle_gaps(trace: Trace, config: ReplayConfig) -> list[float]:
     """Every idle gap that ended in a return: next arrival minus the modeled finish."""
     requests = requests_of(trace, config.max_requests)
     return [
         event.next_start - event.time
         for event in session_events(requests, config.decode_tokens_per_s)
-        if event.step is _Step.FINISH and event.next_start is not None
+        if event.step is Step.FINISH and event.next_start is not None
     ]
+
+
+def _blurred(
+    requests: Sequence[TraceRequest], config: ReplayConfig, horizons: Sequence[float], auc: float
+) -> BlurredOracle:
+    """``oracle:AUC``: the true gaps blurred to ``auc``, around the trace's base rates."""
+    finishes = [
+        event
+        for event in session_events(requests, config.decode_tokens_per_s)
+        if event.step is Step.FINISH
+    ]
+    gaps = [math.inf if e.next_start is None else e.next_start - e.time for e in finishes]
+    end = requests[-1].time
+    rates = base_rates([e.time for e in finishes], gaps, horizons, end)
+    return BlurredOracle(auc, rates, config.seed)
 
 
 # -- the store under replay ---------------------------------------------------------
@@ -276,15 +207,6 @@ class _IdleWatch:
     def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
         choose = getattr(self.inner, "destination", None)
         return choose(tier, key) if choose is not None else None
-
-
-def _policy(spec: PolicySpec, config: ReplayConfig) -> SessionPolicy:
-    if spec.kind is PolicyKind.LRU:
-        return LRUBaseline()
-    if spec.kind is PolicyKind.TTL:
-        assert spec.seconds is not None
-        return TTLPolicy(spec.seconds)
-    return PlacementPolicy(config.placement)
 
 
 def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> StoreConfig:
@@ -342,8 +264,8 @@ def _learner(config: ReplayConfig, horizons: tuple[float, ...]) -> OnlineLearner
     else:
         with torch.random.fork_rng():
             torch.manual_seed(config.seed)
-            model = ReturnModel(len(feature_names()), horizons)
-    return OnlineLearner(model, tracker, PrequentialScores(), learn_at_horizon=True)
+            model = ReturnModel(len(feature_names()), horizons, rehearsal=config.rehearsal)
+    return OnlineLearner(model, tracker, PrequentialScores())
 
 
 # -- the replay ------------------------------------------------------------------
@@ -355,7 +277,7 @@ def replay_policy(
     """Replay ``trace`` under one policy on a fresh store; see the module docstring."""
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as directory:
         store_config = _store_config(config, trace.block_tokens, Path(directory))
-        policy = _policy(spec, config)
+        policy = make_policy(spec, config.placement)
         watch = _IdleWatch(policy)
         with TieredStore(store_config, policy=watch) as store:
             return _Run(trace, spec, config, store, policy, watch).run(progress)
@@ -386,7 +308,13 @@ class _Run:
         self.learner = (
             _learner(config, self.horizons) if spec.kind is PolicyKind.PREDICTOR else None
         )
-        self.tracker = self.learner.tracker if self.learner is not None else SessionTracker()
+        self.blurred = (
+            _blurred(self.requests, config, self.horizons, spec.auc)
+            if spec.auc is not None
+            else None
+        )
+        self.driver = SessionDriver(store, policy, self.learner)
+        self.tracker = self.driver.tracker
         self.payload = bytes(self.namespace.layout.chunk_nbytes)
         self.result = PolicyResult(spec.name, spec.baseline)
         self.chains = BlockKeys(self.namespace)
@@ -404,7 +332,7 @@ class _Run:
             while next_tick <= event.time:
                 self._tick(next_tick)
                 next_tick += tick
-            if event.step is _Step.START:
+            if event.step is Step.START:
                 self._start(event)
                 started += 1
                 if progress is not None and (started % every == 0 or started == total):
@@ -421,31 +349,35 @@ class _Run:
         now = request.time
         keys = self.chains.of(request)
         started = RequestStarted(request.session, request.trigger, request.prompt_tokens, 0, now)
-        if self.learner is not None:
-            self.learner.observe(started, keys, self.namespace.digest, request.user)
-        else:
-            self.tracker.started(started, keys, self.namespace.digest, request.user)
-        state = self.tracker.get(request.session)
-        assert state is not None
+        state = self.driver.started(started, keys, self.namespace.digest, request.user)
         prefix = self.store.lookup(self.namespace, keys)
-        self.policy.on_resume(self.store, state, now)
+        self.driver.resumed(state, now)
         wanted = prefix.load_chunks if prefix.load_chunks is not None else prefix.num_chunks
         chunks = self.store.get(self.namespace, list(prefix.keys[:wanted])) if wanted else []
         loaded = next((i for i, chunk in enumerate(chunks) if chunk is None), len(chunks))
         hit = min(loaded * prefix.chunk_tokens, request.prompt_tokens)
         recomputed = request.prompt_tokens - hit
-        cost = self.meter.request(prefix.tiers[:loaded], recomputed)
+        # A prefetched chunk still on its way is charged from the tier it is copied from.
+        prefetches = self.policy.prefetches
+        tiers = [
+            prefetches.loading(key, now) or kind
+            for key, kind in zip(prefix.keys[:loaded], prefix.tiers[:loaded], strict=True)
+        ]
+        cost = self.meter.request(tiers, recomputed)
         self.store.put(
             self.namespace,
             keys,
             [None] * loaded + [self.payload] * (len(keys) - loaded),
             session=request.session,
         )
+        self._served[event.request] = (hit, recomputed)
+        if now < self.config.score_from:
+            return
         result = self.result
         result.requests += 1
         result.prompt_tokens += request.prompt_tokens
         result.hit_tokens += hit
-        for kind in prefix.tiers[:loaded]:
+        for kind in tiers:
             result.hit_tokens_by_tier[kind] = (
                 result.hit_tokens_by_tier.get(kind, 0) + prefix.chunk_tokens
             )
@@ -453,29 +385,22 @@ class _Run:
         result.gpu_seconds += cost.ttft_s
         result.load_seconds += cost.load_s
         result.ttft_s.append(cost.ttft_s)
-        self._served[event.request] = (hit, recomputed)
 
     def _finish(self, event: ReplayEvent) -> None:
         request = self.requests[event.request]
         now = event.time
         keys = self.chains.of(request)
         hit, recomputed = self._served.pop(event.request)
-        finished = _finished(request, event, hit, recomputed)
-        forecast: Forecast | None = None
-        if self.learner is not None:
-            forecast = self.learner.observe(finished, keys, self.namespace.digest)
-        else:
-            self.tracker.finished(finished, keys, self.namespace.digest)
-        state = self.tracker.get(request.session)
-        assert state is not None
-        if state.active:
-            return
+        finished = finished_event(request, event, hit, recomputed)
         gap = event.next_start - now if event.next_start is not None else math.inf
-        if self.spec.kind is PolicyKind.ORACLE:
-            forecast = perfect_forecast(request.session, now, gap, self.horizons)
-        elif isinstance(forecast, ReturnForecast):
-            self._calibrate(forecast.horizons, forecast.probabilities, now, gap)
-        self.policy.on_idle(self.store, state, forecast, now)
+        oracle: ReturnForecast | None = None
+        if self.blurred is not None:
+            oracle = self.blurred.forecast(request.session, now, gap, self.horizons)
+        elif self.spec.kind is PolicyKind.ORACLE:
+            oracle = perfect_forecast(request.session, now, gap, self.horizons)
+        idle = self.driver.finished(finished, keys, self.namespace.digest, oracle)
+        if idle is not None and idle.forecast is not None:  # the learner's, to calibrate
+            self._calibrate(idle.forecast.horizons, idle.forecast.probabilities, now, gap)
 
     def _calibrate(
         self, horizons: Sequence[float], probabilities: Sequence[float], now: float, gap: float
@@ -488,15 +413,14 @@ class _Run:
                 self.result.calibration.append((horizon, probability, 0))
 
     def _tick(self, now: float) -> None:
-        if self.learner is not None:
-            self.learner.tick(now)
-        self.policy.tick(self.store, now)
+        self.driver.tick(now)
         idle = sum(
             count
             for owner, count in self.watch.held.items()
             if count and (owner is None or not _active(self.tracker, owner))
         )
-        self.result.hbm_byte_seconds_idle += idle * self.meter.chunk_bytes * self.config.tick_s
+        if now >= self.config.score_from:
+            self.result.hbm_byte_seconds_idle += idle * self.meter.chunk_bytes * self.config.tick_s
 
     def _close(self) -> None:
         result = self.result
@@ -531,65 +455,6 @@ def replay(
 ) -> list[PolicyResult]:
     """Every policy over the same trace, each on a fresh store."""
     return [replay_policy(trace, spec, config, progress) for spec in specs]
-
-
-def train(
-    traces: Sequence[Trace],
-    model: ReturnModel,
-    decode_tokens_per_s: float = DECODE_TOKENS_PER_S,
-) -> PrequentialScores:
-    """Replay the session events of ``traces`` through an ``OnlineLearner`` (no store):
-    the model learns exactly as it would online. Returns its prequential scores.
-    Forecasts still open when a trace ends are censored, not labelled."""
-    scores = PrequentialScores()
-    for trace in traces:
-        learner = OnlineLearner(model, SessionTracker(), scores, learn_at_horizon=True)
-        chains = BlockKeys(Namespace("replay", stand_in_layout(trace.block_tokens)))
-        digest = chains.namespace.digest
-        for event in session_events(trace.requests, decode_tokens_per_s):
-            request = trace.requests[event.request]
-            keys = chains.of(request)
-            if event.step is _Step.START:
-                started = RequestStarted(
-                    request.session, request.trigger, request.prompt_tokens, 0, event.time
-                )
-                learner.observe(started, keys, digest, request.user)
-            else:
-                learner.observe(_finished(request, event, 0, 0), keys, digest)
-    return scores
-
-
-def _finished(
-    request: TraceRequest, event: ReplayEvent, loaded: int, recomputed: int
-) -> RequestFinished:
-    return RequestFinished(
-        session=request.session,
-        steps=1,
-        output_tokens=request.output_tokens,
-        context_tokens=request.prompt_tokens + request.output_tokens,
-        tool_running=event.tool_next,
-        loaded_tokens=loaded,
-        recomputed_tokens=recomputed,
-        time=event.time,
-    )
-
-
-class BlockKeys:
-    """A trace's block ids as chunk keys of one namespace (``external_keys``), memoised."""
-
-    def __init__(self, namespace: Namespace) -> None:
-        self.namespace = namespace
-        self._keys: dict[int | str, ChunkKey] = {}
-
-    def of(self, request: TraceRequest) -> list[ChunkKey]:
-        keys = []
-        for block in request.blocks:
-            key = self._keys.get(block)
-            if key is None:
-                raw = block if isinstance(block, int) else block.encode()
-                key = self._keys[block] = external_keys(self.namespace, [raw])[0]
-            keys.append(key)
-        return keys
 
 
 __all__ = [

@@ -1,0 +1,145 @@
+"""Eviction order inside one tier, and where between two horizons returns fall.
+
+``TierRanking`` keeps the sessions holding blocks in a tier sorted by their
+chance of coming back soon (``PlacementPolicy`` computes the ranks), and their
+blocks in chain order so a chain loses its tail first. ``GapShape`` is the
+histogram of idle gaps that ended in a return, which the policy reads a
+forecast through between its horizons.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvstore.keys import ChunkKey
+
+Rank = tuple[float, float, int]
+"""One session's place in a tier's eviction order: (p within horizon, p at all, recency)."""
+
+
+class GapShape:
+    """Where, between two horizons, returns fall: the histogram of every idle gap that
+    ended in a return, on a log grid, learnt online.
+
+    A forecast is calibrated at its horizons only; between them
+    ``ReturnForecast.within`` is linear in log time, which puts half of the
+    first minute's returns in its first 7 s. Ranking idle sessions by the chance
+    that they return *soon* depends on that shape, so the policy reads a
+    forecast between horizons with the shape of the gaps it has seen instead,
+    once an interval holds ``min_samples`` of them.
+    """
+
+    EDGES = (0.0, *np.geomspace(1.0, 7 * 86400.0, 80))
+
+    def __init__(self, min_samples: int = 50) -> None:
+        self.min_samples = min_samples
+        self._log_edges = np.log1p(np.asarray(self.EDGES))
+        self._cumulative = np.zeros(len(self.EDGES))  # gaps <= each edge
+
+    def add(self, gap: float) -> None:
+        index = bisect.bisect_left(self.EDGES, gap)
+        self._cumulative[index:] += 1
+
+    def count(self, seconds: float) -> float:
+        """Gaps seen up to ``seconds``, interpolated within a bin in log time."""
+        return float(np.interp(math.log1p(max(0.0, seconds)), self._log_edges, self._cumulative))
+
+    def share(self, low: float, high: float, seconds: float) -> float | None:
+        """Of the gaps in ``(low, high]``, the share up to ``seconds`` (None: too few)."""
+        below = self.count(low)
+        total = self.count(high) - below
+        if total < self.min_samples:
+            return None
+        return min(1.0, max(0.0, (self.count(seconds) - below) / total))
+
+
+class TierRanking:
+    """The sessions holding blocks in one tier, in eviction order, and their blocks.
+
+    ``entries`` is kept sorted; a session whose rank changes gets a new entry
+    and its old one goes stale (``live`` names the current one), to be skipped
+    and dropped at the next compaction. Blocks of each session are kept in
+    chain order, head first, so the tail is evicted first.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Rank, str]] = []
+        self.live: dict[str, tuple[Rank, str]] = {}
+        self.blocks: dict[str, dict[ChunkKey, None]] = {}
+        self.owner: dict[ChunkKey, str] = {}
+
+    def add(self, key: ChunkKey, session: str) -> bool:
+        """File ``key`` under ``session``; returns whether the session is new to the tier."""
+        current = self.owner.get(key)
+        if current == session:
+            return False
+        if current is not None:
+            self._unfile(key, current)
+        self.owner[key] = session
+        blocks = self.blocks.get(session)
+        new = blocks is None
+        if blocks is None:
+            blocks = self.blocks[session] = {}
+        blocks[key] = None
+        return new
+
+    def remove(self, key: ChunkKey) -> None:
+        session = self.owner.pop(key, None)
+        if session is not None:
+            self._unfile(key, session)
+
+    def _unfile(self, key: ChunkKey, session: str) -> None:
+        blocks = self.blocks[session]
+        del blocks[key]
+        if not blocks:
+            del self.blocks[session]
+            self.live.pop(session, None)
+
+    def rank(self, session: str, rank: Rank) -> None:
+        old = self.live.get(session)
+        if old is not None and old[0] == rank:
+            return
+        entry = (rank, session)
+        self.live[session] = entry
+        bisect.insort(self.entries, entry)
+        if len(self.entries) > 2 * len(self.live) + 64:
+            self.entries = sorted(self.live.values())
+
+    def drop_stale(self) -> None:
+        """Drop stale entries from the front, so the first entry is a live one."""
+        entries = self.entries
+        while entries and self.live.get(entries[0][1]) is not entries[0]:
+            del entries[0]
+
+    def victims(self) -> Iterator[ChunkKey]:
+        self.drop_stale()
+        position = 0
+        while position < len(self.entries):
+            entry = self.entries[position]
+            position += 1
+            session = entry[1]
+            if self.live.get(session) is not entry:
+                continue
+            yield from _tail_first(self.blocks, session)
+
+
+def _tail_first(blocks: dict[str, dict[ChunkKey, None]], session: str) -> Iterator[ChunkKey]:
+    """``blocks[session]`` from the tail, in small snapshots (the store may remove keys
+    between two ``next`` calls)."""
+    seen: set[ChunkKey] = set()
+    while True:
+        held = blocks.get(session)
+        if not held:
+            return
+        batch = [key for key in itertools.islice(reversed(held), len(seen) + 16) if key not in seen]
+        if not batch:
+            return
+        for key in batch:
+            seen.add(key)
+            if key in held:
+                yield key

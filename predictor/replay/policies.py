@@ -1,0 +1,94 @@
+"""The policies a replay compares, as named on the command line: ``lru``, ``ttl:SECONDS``,
+``predictor``, ``oracle`` and ``oracle:AUC`` (the oracle blurred to that AUC,
+``replay.oracle``); and the policy object each name stands for."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+from kvstore.predictor.policy import (
+    LRUBaseline,
+    PlacementConfig,
+    PlacementPolicy,
+    SessionPolicy,
+    TTLPolicy,
+)
+
+
+class PolicyKind(enum.Enum):
+    LRU = "lru"
+    TTL = "ttl"
+    PREDICTOR = "predictor"
+    ORACLE = "oracle"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One policy of a replay, as named on the command line (``ttl:300``)."""
+
+    kind: PolicyKind
+    seconds: float | None = None
+    auc: float | None = None  # oracle only: blurred to this AUC (None: perfect)
+
+    @property
+    def name(self) -> str:
+        if self.kind is PolicyKind.TTL:
+            return f"ttl:{self.seconds:g}"
+        if self.auc is not None:
+            return f"oracle:{self.auc:g}"
+        return self.kind.value
+
+    @property
+    def baseline(self) -> bool:
+        return self.kind in (PolicyKind.LRU, PolicyKind.TTL)
+
+
+def parse_policies(text: str) -> list[PolicySpec]:
+    """``"lru,ttl:60,predictor,oracle"`` -> specs, in order, without duplicates."""
+    specs: list[PolicySpec] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, argument = item.partition(":")
+        try:
+            kind = PolicyKind(name.lower())
+        except ValueError:
+            raise ConfigError(
+                f"unknown policy {item!r}; expected lru, ttl:SECONDS, predictor, oracle[:AUC]"
+            ) from None
+        seconds = auc = None
+        if kind is PolicyKind.ORACLE and argument:
+            try:
+                auc = float(argument)
+            except ValueError:
+                raise ConfigError(f"oracle takes an AUC, e.g. oracle:0.7 (got {item!r})") from None
+            if not 0.5 < auc < 1.0:
+                raise ConfigError(f"an oracle's AUC must lie in (0.5, 1) (got {item!r})")
+        elif kind is PolicyKind.TTL:
+            try:
+                seconds = float(argument)
+            except ValueError:
+                raise ConfigError(f"ttl needs seconds, e.g. ttl:300 (got {item!r})") from None
+            if not seconds > 0:
+                raise ConfigError(f"ttl seconds must be positive (got {item!r})")
+        elif argument:
+            raise ConfigError(f"policy {name!r} takes no argument (got {item!r})")
+        spec = PolicySpec(kind, seconds, auc)
+        if spec not in specs:
+            specs.append(spec)
+    if not specs:
+        raise ConfigError("no policy given")
+    return specs
+
+
+def make_policy(spec: PolicySpec, placement: PlacementConfig) -> SessionPolicy:
+    """A fresh policy object for ``spec`` (the oracle is ``PlacementPolicy`` too: the
+    replay feeds it perfect forecasts instead of the model's)."""
+    if spec.kind is PolicyKind.LRU:
+        return LRUBaseline()
+    if spec.kind is PolicyKind.TTL:
+        assert spec.seconds is not None
+        return TTLPolicy(spec.seconds)
+    return PlacementPolicy(placement)
