@@ -11,7 +11,7 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,19 +25,6 @@ from support.http_kv import error_code, get_bytes, lookup, make_chain, put, regi
 from kvstore import cli
 from kvstore.block import check_identity, encode_block, verify_block
 from kvstore.keys import KVLayout, Namespace, chunk_keys
-
-
-@pytest.fixture
-def client(daemon: Daemon) -> Iterator[httpx.Client]:
-    with daemon.client() as client:
-        yield client
-
-
-@pytest.fixture
-def ns(request: pytest.FixtureRequest, client: httpx.Client) -> Namespace:
-    namespace = http_kv.namespace_for(request.node.name)
-    register(client, namespace)
-    return namespace
 
 
 def test_health_readiness_and_socket_mode(daemon: Daemon, client: httpx.Client) -> None:

@@ -10,12 +10,11 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from support import http_kv
 from support.daemon import Daemon
 from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, put_raw, register
@@ -25,19 +24,6 @@ from kvstore.keys import Namespace
 from kvstore.wire import FRAMES_CONTENT_TYPE, block_entries, encode_frames, namespace_to_json
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def client(daemon: Daemon) -> Iterator[httpx.Client]:
-    with daemon.client() as client:
-        yield client
-
-
-@pytest.fixture
-def ns(request: pytest.FixtureRequest, client: httpx.Client) -> Namespace:
-    namespace = http_kv.namespace_for(request.node.name)
-    register(client, namespace)
-    return namespace
 
 
 # -- malformed bodies ------------------------------------------------------------------

@@ -259,15 +259,23 @@ def _socket_dir() -> Iterator[Path]:
 # --------------------------------------------------------------------------- fixtures
 
 
+@contextlib.contextmanager
+def running_daemon(data_dir: Path, **options: Any) -> Iterator[Daemon]:
+    """A started ``Daemon`` over ``data_dir`` (its socket in a short private
+    directory: Unix socket paths are limited to ~100 bytes), closed on exit."""
+    with _socket_dir() as socket_dir:
+        started = Daemon(data_dir, socket_dir, **options)
+        try:
+            started.start()
+            yield started
+        finally:
+            started.close()
+
+
 @pytest.fixture(scope="session")
 def _shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with _socket_dir() as socket_dir:
-        shared = Daemon(tmp_path_factory.mktemp("daemon"), socket_dir, tcp=True)
-        try:
-            shared.start()
-            yield shared
-        finally:
-            shared.close()
+    with running_daemon(tmp_path_factory.mktemp("daemon"), tcp=True) as shared:
+        yield shared
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@ so they speak it by hand.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 
 from kvstore.block import check_identity, encode_block, payload_view, verify_block
 from kvstore.chunk import chunk_bytes
@@ -25,6 +26,7 @@ from kvstore.wire import (
     namespace_to_json,
 )
 from support import kv
+from support.daemon import Daemon
 
 
 @dataclass
@@ -143,3 +145,21 @@ def error_code(response: httpx.Response) -> str:
 def namespace_for(test_name: str) -> Namespace:
     """A namespace no other test uses (the session daemon is shared)."""
     return kv.namespace(salt=test_name)
+
+
+# -- fixtures of the route tests (imported by the test modules that use them) ----------
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[httpx.Client]:
+    """An HTTP client on the session daemon's Unix socket."""
+    with daemon.client() as client:
+        yield client
+
+
+@pytest.fixture
+def ns(request: pytest.FixtureRequest, client: httpx.Client) -> Namespace:
+    """A namespace of the test's own (named after it), registered with the daemon."""
+    namespace = namespace_for(request.node.name)
+    register(client, namespace)
+    return namespace

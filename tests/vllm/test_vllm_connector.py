@@ -26,7 +26,7 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed here; `make tes
 import lmdb  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from support.daemon import Daemon, _socket_dir  # noqa: E402
+from support.daemon import Daemon, running_daemon  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
@@ -78,13 +78,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def store_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with _socket_dir() as socket_dir:
-        daemon = Daemon(tmp_path_factory.mktemp("kvstore"), socket_dir, config_text=SSD_ONLY)
-        try:
-            daemon.start()
-            yield daemon
-        finally:
-            daemon.close()
+    with running_daemon(tmp_path_factory.mktemp("kvstore"), config_text=SSD_ONLY) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
