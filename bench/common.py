@@ -246,6 +246,34 @@ class Sample:
         return (max(self.seconds) - min(self.seconds)) / self.median if self.median else 0.0
 
 
+@dataclass(frozen=True)
+class BatchThroughput:
+    """One op on one batch of chunks: the store's timings against the ceiling's,
+    measured in the same run, and the ratio every benchmark reports."""
+
+    op: str
+    chunk_bytes: int
+    batch_chunks: int
+    store: Sample
+    ceiling: Sample
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.chunk_bytes * self.batch_chunks
+
+    @property
+    def gbps(self) -> float:
+        return gbps(self.batch_bytes, self.store.median)
+
+    @property
+    def ceiling_gbps(self) -> float:
+        return gbps(self.batch_bytes, self.ceiling.median)
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.ceiling_gbps
+
+
 def _nothing() -> None:
     return None
 

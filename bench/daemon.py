@@ -69,18 +69,17 @@ from common import (  # noqa: E402
     CHUNK_16MIB,
     HOST,
     VOCAB,
+    BatchThroughput,
     Case,
     ChunkSize,
     GiB,
     MiB,
-    Sample,
     ServerProcess,
     bench_arguments,
     bench_session,
     emit_json,
     format_table,
     free_port,
-    gbps,
     log,
     machine_info,
     make_chunks,
@@ -132,30 +131,11 @@ FULL = Settings(batch_bytes=128 * MiB, reps=9, warmup=1, lookup_seconds=5.0)
 QUICK = Settings(batch_bytes=32 * MiB, reps=5, warmup=1, lookup_seconds=2.0)
 
 
-@dataclass
-class Result:
+@dataclass(frozen=True, kw_only=True)
+class Result(BatchThroughput):
+    """A ``BatchThroughput`` of one client path (shm, unix, tcp)."""
+
     path: str
-    op: str
-    chunk_bytes: int
-    batch_chunks: int
-    store: Sample
-    ceiling: Sample
-
-    @property
-    def batch_bytes(self) -> int:
-        return self.chunk_bytes * self.batch_chunks
-
-    @property
-    def gbps(self) -> float:
-        return gbps(self.batch_bytes, self.store.median)
-
-    @property
-    def ceiling_gbps(self) -> float:
-        return gbps(self.batch_bytes, self.ceiling.median)
-
-    @property
-    def ratio(self) -> float:
-        return self.gbps / self.ceiling_gbps
 
     @property
     def goal(self) -> float | None:
@@ -330,7 +310,16 @@ def measure_size(
             timed["ceiling"] = Case(run=lambda bare=bare: bare.get(batch_bytes, size.nbytes))
         samples = time_interleaved(timed, settings.reps, warmup=settings.warmup)
         for op in [op for op in timed if op != "ceiling"]:
-            results.append(Result(path, op, size.nbytes, count, samples[op], samples["ceiling"]))
+            results.append(
+                Result(
+                    path=path,
+                    op=op,
+                    chunk_bytes=size.nbytes,
+                    batch_chunks=count,
+                    store=samples[op],
+                    ceiling=samples["ceiling"],
+                )
+            )
     unix.delete(namespace, keys)
 
     for path in [path for path in paths if path != "shm"]:
@@ -361,7 +350,16 @@ def measure_size(
             warmup=settings.warmup,
         )
         unix.delete(namespace, held)
-        results.append(Result(path, "put", size.nbytes, count, samples["put"], samples["ceiling"]))
+        results.append(
+            Result(
+                path=path,
+                op="put",
+                chunk_bytes=size.nbytes,
+                batch_chunks=count,
+                store=samples["put"],
+                ceiling=samples["ceiling"],
+            )
+        )
     return results
 
 

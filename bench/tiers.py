@@ -57,15 +57,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ceilings import RawBackend, RawDRAM, RawHBM, RawLMDB, RawRedis  # noqa: E402
 from common import (  # noqa: E402
     VOCAB,
+    BatchThroughput,
     Case,
     ChunkSize,
     MiB,
     RedisServer,
-    Sample,
     bench_session,
     emit_json,
     format_table,
-    gbps,
     log,
     machine_info,
     make_chunks,
@@ -110,30 +109,11 @@ FULL = Settings(batch_bytes=128 * MiB, reps=9, warmup=1, hash_reps=7)
 QUICK = Settings(batch_bytes=32 * MiB, reps=5, warmup=1, hash_reps=3)
 
 
-@dataclass
-class Result:
+@dataclass(frozen=True, kw_only=True)
+class Result(BatchThroughput):
+    """A ``BatchThroughput`` of one tier; its ceiling is the raw backend."""
+
     tier: str
-    op: str
-    chunk_bytes: int
-    batch_chunks: int
-    store: Sample
-    raw: Sample
-
-    @property
-    def batch_bytes(self) -> int:
-        return self.chunk_bytes * self.batch_chunks
-
-    @property
-    def gbps(self) -> float:
-        return gbps(self.batch_bytes, self.store.median)
-
-    @property
-    def raw_gbps(self) -> float:
-        return gbps(self.batch_bytes, self.raw.median)
-
-    @property
-    def ratio(self) -> float:
-        return self.gbps / self.raw_gbps
 
     @property
     def goal(self) -> float | None:
@@ -147,7 +127,7 @@ class Result:
             "op": self.op,
             "chunk_bytes": self.chunk_bytes,
             "gbps": round(self.gbps, 4),
-            "raw_gbps": round(self.raw_gbps, 4),
+            "raw_gbps": round(self.ceiling_gbps, 4),
             "ratio": round(self.ratio, 4),
         }
 
@@ -303,10 +283,17 @@ def measure_tier(
     misses = store.stats().get_misses - misses_before
     if misses:
         raise RuntimeError(f"{tut.name}: {misses} timed gets missed")
+    timed = {"put": puts, "get": gets, "get_into": gets_into}
     return [
-        Result(tut.name, "put", size.nbytes, count, puts["store"], puts["raw"]),
-        Result(tut.name, "get", size.nbytes, count, gets["store"], gets["raw"]),
-        Result(tut.name, "get_into", size.nbytes, count, gets_into["store"], gets_into["raw"]),
+        Result(
+            tier=tut.name,
+            op=op,
+            chunk_bytes=size.nbytes,
+            batch_chunks=count,
+            store=samples["store"],
+            ceiling=samples["raw"],
+        )
+        for op, samples in timed.items()
     ]
 
 
@@ -350,9 +337,9 @@ def table(results: list[Result]) -> str:
                 size_label(r.chunk_bytes),
                 r.batch_chunks,
                 f"{r.gbps:.2f}",
-                f"{r.raw_gbps:.2f}",
+                f"{r.ceiling_gbps:.2f}",
                 f"{r.ratio:.3f}",
-                f"{r.store.spread:.0%}/{r.raw.spread:.0%}",
+                f"{r.store.spread:.0%}/{r.ceiling.spread:.0%}",
                 verdict,
             ]
         )
