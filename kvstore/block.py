@@ -378,6 +378,17 @@ def check_identity(header: BlockHeader, namespace: Namespace, key: ChunkKey) -> 
         raise LayoutMismatch(f"block {key.hex()} has a layout other than its namespace's")
 
 
+def check_whole_chunk(header: BlockHeader, namespace: Namespace, key: ChunkKey) -> None:
+    """``check_identity``, and refuse a block that is not exactly one chunk of KV
+    (what the daemon checks of every block it receives, besides its checksum)."""
+    check_identity(header, namespace, key)
+    if header.raw_len != namespace.layout.chunk_nbytes:
+        raise LayoutMismatch(
+            f"block {key.hex()} holds {header.raw_len} bytes of KV, "
+            f"the namespace's chunk is {namespace.layout.chunk_nbytes}"
+        )
+
+
 def payload_view(data: memoryview | bytes | bytearray) -> memoryview:
     """The payload bytes of a stored block (no copy)."""
     return memoryview(data)[HEADER_BYTES:]

@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from kvstore.block import (
     HEADER_BYTES,
     Block,
-    check_identity,
+    BlockHeader,
+    check_whole_chunk,
     copy_parts_verified,
     parse_header,
 )
@@ -108,7 +109,7 @@ class Landing:
             target = self._store.serving.dram_writable(offset, nbytes)
             target[:HEADER_BYTES] = header_bytes
             copy_parts_verified(header_bytes, payload, target[HEADER_BYTES:])
-            self._check(key, header_bytes, target[HEADER_BYTES:])
+            self._check(key, header, target[HEADER_BYTES:])
             verified = True
         except (CorruptBlock, LayoutMismatch) as error:
             raise type(error)(f"block {index}: {error}") from None
@@ -146,17 +147,11 @@ class Landing:
         if landed:
             self._store.serving.unreserve_dram(landed)
 
-    def _check(self, key: ChunkKey, header_bytes: bytes, payload: memoryview) -> None:
+    def _check(self, key: ChunkKey, header: BlockHeader, payload: memoryview) -> None:
         """What the daemon checks of every block besides its checksum (as for a block
         admitted the usual way): key, namespace, layout, one chunk, a payload that
         decodes."""
-        header = parse_header(header_bytes)
-        check_identity(header, self._namespace, key)
-        chunk_nbytes = self._namespace.layout.chunk_nbytes
-        if header.raw_len != chunk_nbytes:
-            raise LayoutMismatch(
-                f"holds {header.raw_len} bytes of KV, the namespace's chunk is {chunk_nbytes}"
-            )
+        check_whole_chunk(header, self._namespace, key)
         decode_payload(payload, header.dtype, header.codec, header.raw_len)
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from kvstore.block import (
     HEADER_BYTES,
     Block,
-    check_identity,
+    check_whole_chunk,
     parse_header,
 )
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
@@ -615,12 +615,7 @@ def _check_framed(namespace: Namespace, key: ChunkKey, block: Block) -> None:
     if len(block.header) != HEADER_BYTES:
         raise CorruptBlock(f"block {key.hex()}: a header of {len(block.header)} bytes")
     header = parse_header(block.header)
-    check_identity(header, namespace, key)
-    if header.raw_len != namespace.layout.chunk_nbytes:
-        raise LayoutMismatch(
-            f"block {key.hex()} holds {header.raw_len} bytes of KV, "
-            f"the namespace's chunk is {namespace.layout.chunk_nbytes}"
-        )
+    check_whole_chunk(header, namespace, key)
     if header.payload_len != block.payload.nbytes:
         raise CorruptBlock(
             f"block {key.hex()} has {block.payload.nbytes} payload bytes, "
