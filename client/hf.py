@@ -56,7 +56,7 @@ from kvstore.client.hf_blocks import model_namespace, pack_chunks
 from kvstore.client.hf_cache import LayerwiseLoad, LoadInterrupted, LoadTiming, load_cache
 from kvstore.errors import KVStoreError, LayoutMismatch
 from kvstore.events import Trigger
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import ChunkKey, Namespace, chunk_keys
 
 log = logging.getLogger("kvstore.client.hf")
 
@@ -191,14 +191,14 @@ class HFKVStore:
         full = held // self.chunk_tokens
         layout = self.namespace.layout
         per_put = max(1, PUT_BATCH_BYTES // layout.chunk_nbytes)
+        keys = chunk_keys(self.namespace, tokens[: full * self.chunk_tokens].numpy())
         stored = 0
         for start in range(skip_chunks, full, per_put):
             end = min(start + per_put, full)
             chunks = pack_chunks(layers, layout, start, end)
             kv_chunks: list[ChunkData | None] = [None] * start
             kv_chunks.extend(chunks)
-            prefix = tokens[: end * self.chunk_tokens].numpy()
-            stored += self.client.put(self.namespace, prefix, kv_chunks, session=session)
+            stored += self.client.put(self.namespace, keys[:end], kv_chunks, session=session)
         return stored
 
     # -- the one-call helper -----------------------------------------------------------
