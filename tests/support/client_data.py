@@ -1,0 +1,79 @@
+"""Blocks, frames and a shared-memory arena for the client tests that run without a
+daemon (``test_client_protocol.py``, ``test_client_blocks.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from kvstore.block import encode_block
+from kvstore.chunk import chunk_bytes
+from kvstore.client.blocks import FramesSink
+from kvstore.client.shm import SharedArena
+from kvstore.keys import ChunkKey, Namespace, chunk_keys
+from kvstore.wire import encode_frames
+from support import kv
+
+NS = kv.namespace(salt="protocol")
+TOKENS = kv.tokens(3)
+KEYS = chunk_keys(NS, TOKENS)
+CHUNKS = kv.chunks(3)
+
+
+def block_bytes(namespace: Namespace, key: ChunkKey, chunk: torch.Tensor) -> bytes:
+    return encode_block(namespace, key, None, chunk_bytes(chunk, namespace.layout)).to_bytes()
+
+
+BLOCKS = [block_bytes(NS, key, chunk) for key, chunk in zip(KEYS, CHUNKS, strict=True)]
+
+
+def frames(blocks: list[bytes | None], keys: list[ChunkKey] = KEYS) -> bytes:
+    entries = [
+        {"key": key.hex(), "length": None if block is None else len(block), "tier": "dram"}
+        for key, block in zip(keys, blocks, strict=True)
+    ]
+    present = [block for block in blocks if block is not None]
+    return b"".join(encode_frames({"blocks": entries}, present))
+
+
+def flip(data: bytes, offset: int) -> bytes:
+    tampered = bytearray(data)
+    tampered[offset] ^= 0x01
+    return bytes(tampered)
+
+
+def feed_in_pieces(sink: FramesSink, body: bytes, size: int = 777) -> None:
+    for start in range(0, len(body), size):
+        sink.feed(body[start : start + size])
+    sink.finish()
+
+
+def payload_of(chunk: Any) -> bytes:
+    return bytes(chunk.payload)
+
+
+def expected(index: int) -> bytes:
+    return CHUNKS[index].view(torch.uint8).numpy().tobytes()
+
+
+@contextlib.contextmanager
+def mapped_blocks() -> Iterator[SharedArena]:
+    """``BLOCKS`` in a fresh shared-memory segment at 8 KiB slots, block 1 changed
+    there, mapped as a client maps the daemon's arena."""
+    segment = shared_memory.SharedMemory(create=True, size=64 << 10)
+    try:
+        for index, block in enumerate(BLOCKS):
+            segment.buf[index * 8192 : index * 8192 + len(block)] = block
+        segment.buf[8192 + 200] ^= 0x01  # block 1 changed in shared memory
+        mapped = SharedArena(segment.name)
+        try:
+            yield mapped
+        finally:
+            mapped.close()
+    finally:
+        segment.close()
+        segment.unlink()
