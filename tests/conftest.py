@@ -10,6 +10,7 @@ from support.daemon import (  # noqa: F401  (fixtures, registered by import)
     daemon_factory,
 )
 from support.http_kv import client, ns  # noqa: F401  (fixtures of the route tests)
+from support.kv import two_level  # noqa: F401  (a DRAM + LMDB store)
 from support.redis_servers import (  # noqa: F401  (fixtures, registered by import)
     clean_redis,
     clean_redis_cluster,

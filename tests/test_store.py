@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from support import kv
+from support.kv import assert_chunks_equal
 from support.redis_servers import RedisServer
 
 from kvstore import (
@@ -23,34 +23,9 @@ from kvstore import (
     UnknownNamespace,
     external_keys,
 )
-from kvstore.block import (
-    HEADER_BYTES,
-    Block,
-    Codec,
-    encode_block,
-    frame_block,
-    parse_header,
-    stored_block,
-)
-from kvstore.chunk import chunk_bytes
 from kvstore.config import StoreConfig
-from kvstore.errors import CorruptBlock
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
-
-
-def assert_chunks_equal(store: TieredStore, ns, keys, expected) -> None:
-    got = store.get(ns, keys)
-    assert all(chunk is not None for chunk in got)
-    for chunk, tensor in zip(got, expected, strict=True):
-        assert chunk is not None
-        assert torch.equal(chunk.tensor(), tensor)
-
-
-@pytest.fixture
-def two_level(tmp_path: Path):
-    with TieredStore(kv.config(kv.dram(64), kv.ssd(tmp_path / "lmdb"))) as store:
-        yield store
 
 
 def test_put_lookup_get_round_trip(two_level: TieredStore) -> None:
@@ -410,53 +385,6 @@ def test_kill_9_during_lmdb_writes_then_reopen(tmp_path: Path) -> None:
         assert store.stats().tiers[SSD].corrupt_blocks == 0
 
 
-def test_scrub_finds_memory_corrupted_in_place() -> None:
-    from multiprocessing import shared_memory
-
-    from kvstore.tiers.dram import DRAMTier
-
-    with TieredStore(kv.config(kv.dram(4))) as store:
-        ns = kv.namespace()
-        data = kv.chunks(3)
-        store.put(ns, kv.tokens(3), data)
-        assert store.scrub() == 0
-        tier = store.tier(DRAM)
-        assert isinstance(tier, DRAMTier)
-        # Another process with the arena mapped scribbles over one payload byte.
-        foreign = shared_memory.SharedMemory(name=tier.arena.name)
-        try:
-            foreign.buf[4096 + 500] ^= 0xFF  # the second block's payload
-        finally:
-            foreign.close()
-        assert store.scrub() == 1
-        assert store.stats().tiers[DRAM].corrupt_blocks == 1
-        got = store.get(ns, store.keys_for(ns, kv.tokens(3)))
-        assert [c is not None for c in got] == [True, False, True]
-        assert got[0] is not None and torch.equal(got[0].tensor(), data[0])
-
-
-def test_background_scrub_runs_and_stops_on_close() -> None:
-    from multiprocessing import shared_memory
-
-    config = StoreConfig(tiers=(kv.dram(4),), scrub_interval_s=0.01)
-    store = TieredStore(config)
-    ns = kv.namespace()
-    store.put(ns, kv.tokens(2), kv.chunks(2))
-    foreign = shared_memory.SharedMemory(name=store.tier(DRAM).arena.name)  # type: ignore[attr-defined]
-    try:
-        foreign.buf[500] ^= 0xFF  # the first block's payload
-    finally:
-        foreign.close()
-    deadline = time.monotonic() + 10
-    while store.stats().tiers[DRAM].corrupt_blocks == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.stats().tiers[DRAM].corrupt_blocks == 1
-    assert store.lookup(ns, kv.tokens(2)).num_chunks == 0  # the head is gone
-    assert store._maintenance.scrubbing
-    store.close()
-    assert not store._maintenance.scrubbing
-
-
 def test_a_slow_redis_is_a_bounded_miss(redis_server_factory) -> None:
     server: RedisServer = redis_server_factory()
     with TieredStore(kv.config(kv.dram(1), kv.redis(server.url))) as store:
@@ -583,136 +511,3 @@ def test_locate_reports_every_key_not_only_the_leading_run(two_level: TieredStor
     assert two_level.locate(ns, keys) == [None, DRAM, SSD]
     assert two_level.lookup(ns, keys).num_chunks == 0
     assert two_level.stats().lookups == 1  # locate is not counted as a lookup
-
-
-def test_flush_copies_what_only_dram_holds_down_and_survives_reopen(tmp_path: Path) -> None:
-    ns = kv.namespace()
-    data = kv.chunks(4)
-    config = kv.config(kv.dram(64), kv.ssd(tmp_path / "lmdb"))
-    with TieredStore(config) as store:
-        store.put(ns, kv.tokens(4), data)
-        keys = store.keys_for(ns, kv.tokens(4))
-        store.demote(ns, keys[:1])  # already in LMDB: not written again
-        assert store.flush(deadline=time.monotonic() - 1) == 0  # past its deadline: stops
-        assert store.flush() == 3
-        assert store.flush() == 0
-        assert store.lookup(ns, keys).tiers == (SSD, DRAM, DRAM, DRAM)  # DRAM copies stay
-    with TieredStore(config) as store:
-        assert store.lookup(ns, keys).tiers == (SSD,) * 4
-        assert_chunks_equal(store, ns, keys, data)
-
-
-def _received(ns, keys, data) -> list[Block]:
-    """Blocks as a client frames them (parent: the previous key), as the daemon
-    receives them: one buffer each, split back into header and payload."""
-    return [
-        stored_block(
-            encode_block(
-                ns, key, keys[i - 1] if i else None, chunk_bytes(chunk, ns.layout)
-            ).to_bytes()
-        )
-        for i, (key, chunk) in enumerate(zip(keys, data, strict=True))
-    ]
-
-
-def test_put_blocks_stores_received_blocks_bit_for_bit(two_level: TieredStore) -> None:
-    ns = kv.namespace()
-    data = kv.chunks(4)
-    keys = two_level.keys_for(ns, kv.tokens(4))
-    blocks = _received(ns, keys, data)
-    # The head is already cached elsewhere (None); the rest is new.
-    assert two_level.put_blocks(ns, keys, [None, *blocks[1:]], session="agent-1") == 3
-    assert two_level.put_blocks(ns, keys, blocks) == 1  # only the head was missing
-    assert two_level.lookup(ns, keys).tiers == (DRAM,) * 4
-    got = two_level.get(ns, keys)
-    assert [bytes(chunk.block) for chunk in got if chunk is not None and chunk.block] == [
-        block.to_bytes() for block in blocks
-    ]  # the very bytes received, header (parent, checksum) included
-    assert_chunks_equal(two_level, ns, keys, data)
-
-
-def test_put_blocks_re_encodes_for_a_compressed_fastest_tier(tmp_path: Path) -> None:
-    with TieredStore(kv.config(kv.ssd(tmp_path / "lmdb", codec="zstd"))) as store:
-        ns = kv.namespace()
-        data = kv.chunks(3)
-        keys = store.keys_for(ns, kv.tokens(3))
-        assert store.put_blocks(ns, keys, _received(ns, keys, data)) == 3
-        stored = store.tier(SSD).get_many(ns.digest, keys)
-        assert all(parse_header(block).codec is Codec.ZSTD for block in stored if block)
-        assert_chunks_equal(store, ns, keys, data)
-
-
-def test_put_blocks_refuses_a_block_that_is_not_what_it_claims(two_level: TieredStore) -> None:
-    ns = kv.namespace()
-    data = kv.chunks(2)
-    keys = two_level.keys_for(ns, kv.tokens(2))
-    good = _received(ns, keys, data)
-    header = parse_header(good[1].header)
-    other_layout = frame_block(dataclasses.replace(header, num_layers=3), good[1].payload)
-    foreign = _received(kv.namespace(salt="another tenant"), keys, data)
-    cases: list[tuple[list[Block], type[Exception]]] = [
-        ([good[0], good[0]], CorruptBlock),  # block 1 carries key 0
-        ([good[0], foreign[1]], CorruptBlock),  # right key, other namespace
-        ([good[0], other_layout], LayoutMismatch),
-        ([good[0], Block(good[1].header, good[1].payload[:-2])], CorruptBlock),  # cut short
-        ([good[0], Block(good[1].header + b"\0", good[1].payload)], CorruptBlock),
-    ]
-    for blocks, error in cases:
-        with pytest.raises(error):
-            two_level.put_blocks(ns, keys, blocks)
-    # All or nothing: the good block 0 was never stored either.
-    assert two_level.locate(ns, keys) == [None, None]
-    assert two_level.stats().puts == 0
-
-
-def test_serve_pins_what_it_will_send_until_released(tmp_path: Path) -> None:
-    config = kv.config(kv.dram(4), kv.ssd(tmp_path / "lmdb"), promote_on_hit=False)
-    with TieredStore(config) as store:
-        ns = kv.namespace()
-        store.put(ns, kv.tokens(6), kv.chunks(6))  # the head in DRAM, the tail spills
-        keys = store.keys_for(ns, kv.tokens(6))
-        unknown = store.keys_for(ns, kv.tokens(1, start=10_000))
-        expected = [bytes(chunk.block) for chunk in store.get(ns, keys) if chunk and chunk.block]
-        served = store.serving.serve(ns, [*keys, *unknown])
-        assert served.tiers == [DRAM] * 4 + [SSD] * 2 + [None]
-        framed = HEADER_BYTES + ns.layout.chunk_nbytes
-        assert served.lengths == [framed] * 6 + [None]
-        shared = [block for block in served.shared if block is not None]
-        assert [bytes(store.serving.arena_view(block)) for block in shared] == expected[:4]
-        store.delete(ns, keys[5:])  # lost between serve and its turn
-        below = store.serving.read_served(served, [4, 5])
-        assert below[1] is None and below[0] is not None and bytes(below[0]) == expected[4]
-        # Pinned: a chain that needs all of DRAM evicts around them.
-        store.put(ns, kv.tokens(4, start=20_000), kv.chunks(4, seed=1))
-        assert store.locate(ns, keys[:4]) == [DRAM] * 4
-        store.serving.release_served(served)
-        store.put(ns, kv.tokens(4, start=30_000), kv.chunks(4, seed=2))
-        assert store.locate(ns, keys[:5]) == [SSD] * 5  # evictable again: written back
-        stats = store.stats()
-        assert stats.gets == 2 and stats.get_misses == 2  # the unknown key and the lost one
-        assert stats.tier(DRAM).hits == 4 + 4 and stats.tier(SSD).hits == 2 + 1
-
-
-def test_lookup_nowait_answers_from_memory_only(tmp_path: Path, clean_redis: RedisServer) -> None:
-    ns = kv.namespace()
-    with TieredStore(kv.config(kv.dram(8), kv.ssd(tmp_path / "lmdb"))) as store:
-        store.put(ns, kv.tokens(2), kv.chunks(2))
-        assert store.lookup_nowait(ns, kv.tokens(2)) == store.lookup(ns, kv.tokens(2))
-        held = threading.Event()
-        release = threading.Event()
-
-        def hold_the_lock() -> None:
-            with store._lock:
-                held.set()
-                release.wait()
-
-        holder = threading.Thread(target=hold_the_lock)
-        holder.start()
-        held.wait()
-        try:
-            assert store.lookup_nowait(ns, kv.tokens(2)) is None  # would have to wait
-        finally:
-            release.set()
-            holder.join()
-    with TieredStore(kv.config(kv.dram(8), kv.redis(clean_redis.url))) as store:
-        assert store.lookup_nowait(ns, kv.tokens(2)) is None  # Redis must be asked

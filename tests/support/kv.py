@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from kvstore.block import HEADER_BYTES
 from kvstore.config import StoreConfig, TierConfig
-from kvstore.keys import KVLayout, Namespace
+from kvstore.keys import ChunkKey, KVLayout, Namespace
+from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
@@ -60,3 +63,21 @@ def redis(url: str, capacity: int = 64 << 20, codec: str = "none") -> TierConfig
         socket_timeout_s=0.5,
         connect_timeout_s=0.5,
     )
+
+
+def assert_chunks_equal(
+    store: TieredStore, ns: Namespace, keys: Sequence[ChunkKey], expected: Sequence[torch.Tensor]
+) -> None:
+    """Every key is found and reads back exactly ``expected``."""
+    got = store.get(ns, keys)
+    assert all(chunk is not None for chunk in got)
+    for chunk, tensor in zip(got, expected, strict=True):
+        assert chunk is not None
+        assert torch.equal(chunk.tensor(), tensor)
+
+
+@pytest.fixture
+def two_level(tmp_path: Path) -> Iterator[TieredStore]:
+    """A store of 64 DRAM slots over LMDB (the store tests' common case)."""
+    with TieredStore(config(dram(64), ssd(tmp_path / "lmdb"))) as store:
+        yield store
