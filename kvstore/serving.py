@@ -1,12 +1,13 @@
-"""The daemon's half of the store: blocks served from, and landed in, shared memory.
+"""The daemon's half of the store: blocks served from shared memory, and received ones stored.
 
 A ``TieredStore`` is all an embedded engine needs. A daemon serving other
-processes needs two more paths, both through the DRAM arena's shared memory:
+processes needs two more paths:
 
 * out: a same-host client copies blocks straight out of the arena under a
   lease (``share``), and a bytes get sends them from where they lie
   (``serve`` / ``read_served`` / ``release_served``);
-* in: a put's blocks are copied from the received pieces straight into
+* in: received blocks are stored as they came (``put_blocks``), and a put's
+  blocks are copied from the received pieces straight into
   reserved arena space and verified there (``reserve_dram`` ... ``put_landed``,
   driven by ``kvstore.landing``).
 
@@ -22,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.block import HEADER_BYTES, Block, encode_block
+from kvstore.block import HEADER_BYTES, Block, check_whole_chunk, encode_block, parse_header
 from kvstore.codec import Codec
-from kvstore.errors import KVStoreError
+from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.placement import Reserved
 from kvstore.tiers.base import TierKind
@@ -229,6 +230,36 @@ class SharedServing:
         with self._store._lock:
             self._store._placement.unreserve(TierKind.DRAM, offsets)
 
+    def put_blocks(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        blocks: Sequence[Block | None],
+        *,
+        session: str | None = None,
+    ) -> int:
+        """``put`` for chunks that arrive as complete blocks (the daemon's puts): each
+        block is stored as it came, not hashed or framed again, unless the fastest
+        tier has a codec other than the block's (then it is re-encoded for it).
+
+        The caller has verified every checksum (the block crossed a trust
+        boundary to get here). What the store relies on is checked again here,
+        cheaply, before anything is stored: each header parses, names the key,
+        namespace and layout it is stored under, holds exactly one chunk, and
+        says how long its payload is.
+        """
+        self._store.register(namespace)
+        chain = self._store._chain(namespace, keys, len(blocks))
+        present = {index: block for index, block in enumerate(blocks) if block is not None}
+        for index, block in present.items():
+            _check_framed(namespace, chain[index], block)
+        placement = self._store._placement
+
+        def frame(index: int, parent: ChunkKey | None) -> Block:
+            return placement.reencode(present[index], placement.fastest)
+
+        return self._store._store_chain(namespace, chain, list(present), frame, session)
+
     def put_landed(
         self,
         namespace: Namespace,
@@ -246,7 +277,7 @@ class SharedServing:
         unpublished = {entry.offset for entry in reserved}
         try:
             others = [None if isinstance(block, Reserved) else block for block in blocks]
-            stored = self._store.put_blocks(namespace, keys, others, session=session)
+            stored = self.put_blocks(namespace, keys, others, session=session)
             store = self._store
             with store._lock:
                 store._check_open()
@@ -258,3 +289,17 @@ class SharedServing:
         finally:
             self.unreserve_dram(sorted(unpublished))
         return stored + len(published)
+
+
+def _check_framed(namespace: Namespace, key: ChunkKey, block: Block) -> None:
+    """Refuse a received block that is not one whole chunk of ``key`` in ``namespace``
+    (structure and identity only: the checksum was verified on arrival)."""
+    if len(block.header) != HEADER_BYTES:
+        raise CorruptBlock(f"block {key.hex()}: a header of {len(block.header)} bytes")
+    header = parse_header(block.header)
+    check_whole_chunk(header, namespace, key)
+    if header.payload_len != block.payload.nbytes:
+        raise CorruptBlock(
+            f"block {key.hex()} has {block.payload.nbytes} payload bytes, "
+            f"its header says {header.payload_len}"
+        )

@@ -37,14 +37,11 @@ import numpy as np
 from kvstore.block import (
     HEADER_BYTES,
     Block,
-    check_whole_chunk,
-    parse_header,
 )
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.codec import CodecSpec
 from kvstore.config import StoreConfig
 from kvstore.errors import (
-    CorruptBlock,
     KVStoreError,
     LayoutMismatch,
     RequestTooLarge,
@@ -260,36 +257,6 @@ class TieredStore:
             )
 
         return self._store_chain(namespace, chain, list(payloads), frame, session)
-
-    def put_blocks(
-        self,
-        namespace: Namespace,
-        keys: Sequence[ChunkKey],
-        blocks: Sequence[Block | None],
-        *,
-        session: str | None = None,
-    ) -> int:
-        """``put`` for chunks that arrive as complete blocks (the daemon's puts): each
-        block is stored as it came, not hashed or framed again, unless the fastest
-        tier has a codec other than the block's (then it is re-encoded for it).
-
-        The caller has verified every checksum (the block crossed a trust
-        boundary to get here). What the store relies on is checked again here,
-        cheaply, before anything is stored: each header parses, names the key,
-        namespace and layout it is stored under, holds exactly one chunk, and
-        says how long its payload is.
-        """
-        self.register(namespace)
-        chain = self._chain(namespace, keys, len(blocks))
-        present = {index: block for index, block in enumerate(blocks) if block is not None}
-        for index, block in present.items():
-            _check_framed(namespace, chain[index], block)
-        placement = self._placement
-
-        def frame(index: int, parent: ChunkKey | None) -> Block:
-            return placement.reencode(present[index], placement.fastest)
-
-        return self._store_chain(namespace, chain, list(present), frame, session)
 
     def _needs_storing(self, namespace: Namespace, key: ChunkKey) -> bool:
         """Whether a put writes ``key``: it is not held, or held only in tiers that
@@ -607,17 +574,3 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise KVStoreError("the store is closed")
-
-
-def _check_framed(namespace: Namespace, key: ChunkKey, block: Block) -> None:
-    """Refuse a received block that is not one whole chunk of ``key`` in ``namespace``
-    (structure and identity only: the checksum was verified on arrival)."""
-    if len(block.header) != HEADER_BYTES:
-        raise CorruptBlock(f"block {key.hex()}: a header of {len(block.header)} bytes")
-    header = parse_header(block.header)
-    check_whole_chunk(header, namespace, key)
-    if header.payload_len != block.payload.nbytes:
-        raise CorruptBlock(
-            f"block {key.hex()} has {block.payload.nbytes} payload bytes, "
-            f"its header says {header.payload_len}"
-        )

@@ -72,7 +72,7 @@ def test_an_aborted_put_leaves_free_space_and_index_as_before(store: TieredStore
     ns = kv.namespace()
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
-    store.put_blocks(ns, keys[:1], blocks[:1])
+    store.serving.put_blocks(ns, keys[:1], blocks[:1])
     before = (store.tier(DRAM).used_bytes(), store.lookup(ns, keys).tiers)
     landing = Landing(store, ns, keys)
     _land_all(landing, keys[1:], blocks[1:])
@@ -99,7 +99,7 @@ def test_a_corrupt_block_gives_its_extent_back(store: TieredStore) -> None:
 def test_a_put_larger_than_free_space_evicts_for_its_reservations(store: TieredStore) -> None:
     ns = kv.namespace()
     old_keys = store.keys_for(ns, kv.tokens(4, start=10_000))
-    store.put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
+    store.serving.put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
     assert store.tier(DRAM).used_bytes() == 4 * 4096  # DRAM full
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
@@ -130,7 +130,7 @@ def test_a_key_already_held_gives_its_reservation_back_on_commit(store: TieredSt
     ns = kv.namespace()
     keys = store.keys_for(ns, kv.tokens(2))
     blocks = _blocks(ns, keys)
-    store.put_blocks(ns, keys[:1], blocks[:1])
+    store.serving.put_blocks(ns, keys[:1], blocks[:1])
     landing = Landing(store, ns, keys)
     landed = _land_all(landing, keys, blocks)
     assert landing.commit(keys, landed, None) == 1  # only the new one
@@ -144,7 +144,7 @@ def test_with_no_tier_below_dram_a_landing_never_evicts() -> None:
     with TieredStore(kv.config(kv.dram(2))) as dram_only:
         ns = kv.namespace()
         old_keys = dram_only.keys_for(ns, kv.tokens(2, start=10_000))
-        dram_only.put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
+        dram_only.serving.put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
         keys = dram_only.keys_for(ns, kv.tokens(1))
         block = _blocks(ns, keys)[0]
         landing = Landing(dram_only, ns, keys)

@@ -52,8 +52,8 @@ def test_put_blocks_stores_received_blocks_bit_for_bit(two_level: TieredStore) -
     keys = two_level.keys_for(ns, kv.tokens(4))
     blocks = _received(ns, keys, data)
     # The head is already cached elsewhere (None); the rest is new.
-    assert two_level.put_blocks(ns, keys, [None, *blocks[1:]], session="agent-1") == 3
-    assert two_level.put_blocks(ns, keys, blocks) == 1  # only the head was missing
+    assert two_level.serving.put_blocks(ns, keys, [None, *blocks[1:]], session="agent-1") == 3
+    assert two_level.serving.put_blocks(ns, keys, blocks) == 1  # only the head was missing
     assert two_level.lookup(ns, keys).tiers == (DRAM,) * 4
     got = two_level.get(ns, keys)
     assert [bytes(chunk.block) for chunk in got if chunk is not None and chunk.block] == [
@@ -67,7 +67,7 @@ def test_put_blocks_re_encodes_for_a_compressed_fastest_tier(tmp_path: Path) -> 
         ns = kv.namespace()
         data = kv.chunks(3)
         keys = store.keys_for(ns, kv.tokens(3))
-        assert store.put_blocks(ns, keys, _received(ns, keys, data)) == 3
+        assert store.serving.put_blocks(ns, keys, _received(ns, keys, data)) == 3
         stored = store.tier(SSD).get_many(ns.digest, keys)
         assert all(parse_header(block).codec is Codec.ZSTD for block in stored if block)
         assert_chunks_equal(store, ns, keys, data)
@@ -90,7 +90,7 @@ def test_put_blocks_refuses_a_block_that_is_not_what_it_claims(two_level: Tiered
     ]
     for blocks, error in cases:
         with pytest.raises(error):
-            two_level.put_blocks(ns, keys, blocks)
+            two_level.serving.put_blocks(ns, keys, blocks)
     # All or nothing: the good block 0 was never stored either.
     assert two_level.locate(ns, keys) == [None, None]
     assert two_level.stats().puts == 0

@@ -21,7 +21,7 @@ Put, from the socket to the store::
                                    │
                                    ▼ once the whole body is in and every block passed
         worker thread: Landing.commit: landed blocks published, the others
-        stored by store.put_blocks (all or nothing: a failed put gives every
+        stored by store.serving.put_blocks (all or nothing: a failed put gives every
         extent back and stores nothing)
 
 Get (``"bytes"``): ``store.serving.serve`` pins the batch, then ``frames.send_served``
