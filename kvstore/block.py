@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -293,24 +293,27 @@ def copy_verified(
     return header
 
 
-def copy_parts_verified(
+def fill_verified(
     header_bytes: memoryview | bytes | bytearray,
-    sources: Sequence[memoryview],
     destination: memoryview | bytearray,
+    fill: Callable[[memoryview], None],
 ) -> BlockHeader:
-    """``copy_verified`` for a payload that arrived in pieces (a socket's reads):
-    the pieces are copied back to back into ``destination``, each step
-    checksummed right after it is copied, so they are never joined first."""
+    """Have ``fill`` write a payload into ``destination`` step by step, checksumming
+    each step right after it is written, while it is still in cache.
+
+    ``fill(step)`` must fill ``step`` exactly (a socket's ``recv_into`` loop:
+    ``kvstore.server.socket_body``), or raise. As with ``copy_verified``, what
+    is checksummed is what landed in ``destination``.
+    """
     header = parse_header(header_bytes)
     target = memoryview(destination).cast("B")
-    arrived = sum(source.nbytes for source in sources)
-    if arrived != header.payload_len or target.nbytes != header.payload_len:
-        raise CorruptBlock(f"payload is {arrived} bytes, header says {header.payload_len}")
+    if target.nbytes != header.payload_len:
+        raise CorruptBlock(f"payload is {target.nbytes} bytes, header says {header.payload_len}")
     hasher = xxhash.xxh3_64(memoryview(header_bytes)[:_CHECKSUM_OFFSET])
-    start = 0
-    for source in sources:
-        _copy_hashing(source, target[start : start + source.nbytes], hasher)
-        start += source.nbytes
+    for start in range(0, target.nbytes, COPY_VERIFY_STEP):
+        step = target[start : start + COPY_VERIFY_STEP]
+        fill(step)
+        hasher.update(step)
     _compare_checksum(hasher, memoryview(header_bytes), header.key)
     return header
 

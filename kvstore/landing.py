@@ -1,20 +1,21 @@
-"""A put's blocks written straight into the DRAM arena as they arrive, published
-only once the whole put verified.
+"""A put's blocks received straight into the DRAM arena, published only once the
+whole put verified.
 
 ::
 
-    a block's pieces ──► header parses, length agrees? ──► reserve an extent
-      (views of the                                        (store.serving.reserve_dram:
-       socket's reads)                                      evicts as a put would)
-                                                                │ none: the caller
-                                                                │ admits it the usual way
-                                                                ▼
-         copy the pieces into the extent, checksumming each step right after it is
-         copied (block.copy_parts_verified): the bytes are read from memory once
-                                                                │
+    a block's header ──► parses, length agrees? ──► reserve an extent
+      (read off the                                  (store.serving.reserve_dram:
+       socket first)                                  evicts as a put would)
+                                                          │ none: the caller
+                                                          │ receives it the usual way
+                                                          ▼
+         the payload is read from the socket into the extent (``fill``), each
+         step checksummed right after it landed (block.fill_verified): the
+         kernel's copy is the only copy
+                                                          │
                       checksum, key, namespace, layout ok? ─no─► give the extent back, raise
-                                                                │
-                                                                ▼
+                                                          │
+                                                          ▼
                       kept, unpublished, until the whole put verified ─► store.serving.put_landed
                       publishes it (or ``abort`` gives every extent back)
 
@@ -27,7 +28,7 @@ Who owns a reserved extent, and when it becomes visible:
   (tier index, then store index) or gives it back if its key is held already:
   a block becomes visible only after every block of the put passed.
 * ``abort`` (a block failed, the body was cut off, the client went away) gives
-  every extent back. A worker still copying into an extent when the put is
+  every extent back. A thread still writing into an extent when the put is
   aborted gives that one back itself when it finishes, never before: the extent
   cannot be handed to anyone else while it is being written.
 * Reserving may evict, before the block is verified, but only by demoting
@@ -40,14 +41,14 @@ Who owns a reserved extent, and when it becomes visible:
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.block import (
     HEADER_BYTES,
     Block,
     BlockHeader,
     check_whole_chunk,
-    copy_parts_verified,
+    fill_verified,
     parse_header,
 )
 from kvstore.codec import decode_payload
@@ -78,16 +79,22 @@ class Landing:
         self._done = False  # committed or aborted: nothing more may land
 
     def land(
-        self, index: int, key: ChunkKey, parent: ChunkKey | None, parts: Sequence[memoryview]
+        self,
+        index: int,
+        key: ChunkKey,
+        parent: ChunkKey | None,
+        header_bytes: bytes,
+        nbytes: int,
+        fill: Callable[[memoryview], None],
     ) -> Reserved | None:
-        """Write block ``index`` (``parts``, as received) into a reserved extent and
-        verify it there; ``None`` if no extent was to be had (admit it the usual
-        way). Raises ``CorruptBlock``/``LayoutMismatch`` for a bad block (its
-        extent given back) and ``PutAborted`` once the put is over."""
+        """Land block ``index`` (``nbytes`` in all, header ``header_bytes``) in a
+        reserved extent: ``fill`` writes its payload there step by step (a socket
+        read) and each step is checksummed as it lands. ``None`` if no extent was
+        to be had (nothing was read: the caller receives it the usual way).
+        Raises ``CorruptBlock``/``LayoutMismatch`` for a bad block (its extent
+        given back) and ``PutAborted`` once the put is over."""
         if self._done:  # do not evict for a put that already failed
             raise PutAborted("the put ended before this block landed")
-        header_bytes, payload = _split_header(parts)
-        nbytes = HEADER_BYTES + sum(piece.nbytes for piece in payload)
         try:
             header = parse_header(header_bytes)
             if nbytes != HEADER_BYTES + header.payload_len:
@@ -108,7 +115,7 @@ class Landing:
         try:
             target = self._store.serving.dram_writable(offset, nbytes)
             target[:HEADER_BYTES] = header_bytes
-            copy_parts_verified(header_bytes, payload, target[HEADER_BYTES:])
+            fill_verified(header_bytes, target[HEADER_BYTES:], fill)
             self._check(key, header, target[HEADER_BYTES:])
             verified = True
         except (CorruptBlock, LayoutMismatch) as error:
@@ -153,18 +160,3 @@ class Landing:
         decodes."""
         check_whole_chunk(header, self._namespace, key)
         decode_payload(payload, header.dtype, header.codec, header.raw_len)
-
-
-def _split_header(parts: Sequence[memoryview]) -> tuple[bytes, list[memoryview]]:
-    """A block's first ``HEADER_BYTES`` (copied: they may span pieces) and views of
-    the rest."""
-    head = bytearray()
-    payload: list[memoryview] = []
-    for part in parts:
-        wanted = HEADER_BYTES - len(head)
-        if wanted > 0:
-            head += part[:wanted]
-            part = part[wanted:]
-        if part.nbytes:
-            payload.append(part)
-    return bytes(head), payload

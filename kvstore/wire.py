@@ -52,7 +52,7 @@ from kvstore.keys import KEY_BYTES, ChunkKey, HashAlgo, KVLayout, Namespace
 
 API_PREFIX = "/v1"
 FRAMES_CONTENT_TYPE = "application/x-kvstore-frames"
-_LENGTH = struct.Struct("<I")
+META_LENGTH = struct.Struct("<I")
 
 
 class ErrorCode(enum.Enum):
@@ -67,6 +67,7 @@ class ErrorCode(enum.Enum):
     LAYOUT_MISMATCH = "layout_mismatch"
     CORRUPT_BLOCK = "corrupt_block"
     REQUEST_TOO_LARGE = "request_too_large"
+    LENGTH_REQUIRED = "length_required"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
 
@@ -82,6 +83,7 @@ ERRORS: dict[ErrorCode, tuple[int, type[KVStoreError]]] = {
     ErrorCode.LAYOUT_MISMATCH: (422, LayoutMismatch),
     ErrorCode.CORRUPT_BLOCK: (422, CorruptBlock),
     ErrorCode.REQUEST_TOO_LARGE: (413, RequestTooLarge),
+    ErrorCode.LENGTH_REQUIRED: (411, KVStoreError),
     ErrorCode.UNAVAILABLE: (503, TierUnavailable),
     ErrorCode.INTERNAL: (500, KVStoreError),
 }
@@ -223,7 +225,7 @@ def encode_frames(
     bytes in the body.
     """
     encoded = json.dumps(meta, separators=(",", ":")).encode()
-    yield _LENGTH.pack(len(encoded))
+    yield META_LENGTH.pack(len(encoded))
     yield encoded
     yield from blocks
 
@@ -369,41 +371,54 @@ class FrameDecoder:
         return buffer.cast("B")
 
     def _parse_meta(self) -> bool:
-        if len(self._buffer) < _LENGTH.size:
+        if len(self._buffer) < META_LENGTH.size:
             return False
-        (length,) = _LENGTH.unpack_from(self._buffer)
-        if length > self.limits.max_meta_bytes:
-            raise WireError(ErrorCode.REQUEST_TOO_LARGE, f"metadata of {length} bytes")
-        if len(self._buffer) < _LENGTH.size + length:
+        length = meta_length(bytes(self._buffer[: META_LENGTH.size]), self.limits)
+        if len(self._buffer) < META_LENGTH.size + length:
             return False
-        raw = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
-        del self._buffer[: _LENGTH.size + length]
-        try:
-            meta = json.loads(raw)
-            entries = meta["blocks"]
-            if not isinstance(entries, list):
-                raise TypeError("blocks must be a list")
-        except (ValueError, KeyError, TypeError) as error:
-            raise WireError(ErrorCode.MALFORMED_BODY, f"bad frame metadata: {error}") from None
-        if len(entries) > self.limits.max_blocks:
-            raise WireError(
-                ErrorCode.REQUEST_TOO_LARGE,
-                f"{len(entries)} blocks; the limit is {self.limits.max_blocks}",
-            )
-        for entry in entries:
-            try:
-                key = ChunkKey(_hex_bytes(entry["key"], "key"))
-                length_value = entry["length"]
-            except (KeyError, TypeError):
-                raise WireError(
-                    ErrorCode.MALFORMED_BODY, "each block needs key and length"
-                ) from None
-            if length_value is not None and (
-                not isinstance(length_value, int)
-                or isinstance(length_value, bool)
-                or not 0 < length_value <= self.limits.max_block_bytes
-            ):
-                raise WireError(ErrorCode.MALFORMED_BODY, f"bad block length {length_value!r}")
-            self._entries.append((key, length_value))
-        self.meta = meta
+        raw = bytes(self._buffer[META_LENGTH.size : META_LENGTH.size + length])
+        del self._buffer[: META_LENGTH.size + length]
+        self.meta, self._entries = parse_meta(raw, self.limits)
         return True
+
+
+def meta_length(prefix: bytes, limits: FrameLimits) -> int:
+    """The metadata length a frames body starts with; refused past the limit."""
+    (length,) = META_LENGTH.unpack(prefix)
+    if length > limits.max_meta_bytes:
+        raise WireError(ErrorCode.REQUEST_TOO_LARGE, f"metadata of {length} bytes")
+    return int(length)
+
+
+def parse_meta(
+    raw: bytes, limits: FrameLimits
+) -> tuple[dict[str, Any], list[tuple[ChunkKey, int | None]]]:
+    """A frames body's metadata and its blocks' (key, length) entries, checked
+    against ``limits``; ``WireError`` for anything malformed."""
+    try:
+        meta = json.loads(raw)
+        entries = meta["blocks"]
+        if not isinstance(entries, list):
+            raise TypeError("blocks must be a list")
+    except (ValueError, KeyError, TypeError) as error:
+        raise WireError(ErrorCode.MALFORMED_BODY, f"bad frame metadata: {error}") from None
+    if len(entries) > limits.max_blocks:
+        raise WireError(
+            ErrorCode.REQUEST_TOO_LARGE,
+            f"{len(entries)} blocks; the limit is {limits.max_blocks}",
+        )
+    parsed: list[tuple[ChunkKey, int | None]] = []
+    for entry in entries:
+        try:
+            key = ChunkKey(_hex_bytes(entry["key"], "key"))
+            length = entry["length"]
+        except (KeyError, TypeError):
+            raise WireError(ErrorCode.MALFORMED_BODY, "each block needs key and length") from None
+        if length is not None and (
+            not isinstance(length, int)
+            or isinstance(length, bool)
+            or not 0 < length <= limits.max_block_bytes
+        ):
+            raise WireError(ErrorCode.MALFORMED_BODY, f"bad block length {length!r}")
+        parsed.append((key, length))
+    return meta, parsed

@@ -9,6 +9,7 @@ import struct
 import numpy as np
 import pytest
 import xxhash
+from support import kv
 
 from kvstore.block import (
     COPY_VERIFY_STEP,
@@ -20,9 +21,9 @@ from kvstore.block import (
     BlockHeader,
     Codec,
     check_identity,
-    copy_parts_verified,
     copy_verified,
     encode_block,
+    fill_verified,
     frame_block,
     parse_header,
     payload_view,
@@ -302,34 +303,28 @@ def test_copy_verified_checks_the_copy_not_the_source(monkeypatch: pytest.Monkey
         copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
 
 
-def _in_pieces(data: bytes, cut: int) -> list[memoryview]:
-    view = memoryview(data)
-    return [view[start : start + cut] for start in range(0, len(data), cut)]
-
-
 @pytest.mark.parametrize("cut", [1, 777, COPY_VERIFY_STEP - 1, COPY_VERIFY_STEP + 3, STEPPED])
-def test_copy_parts_verified_joins_pieces_of_any_size(cut: int) -> None:
+def test_fill_verified_takes_reads_of_any_size(cut: int) -> None:
     data = stored(payload_bytes(STEPPED if cut > 1 else 3000))
     destination = bytearray(len(data) - HEADER_BYTES)
-    pieces = _in_pieces(data[HEADER_BYTES:], cut)
-    header = copy_parts_verified(data[:HEADER_BYTES], pieces, destination)
+    reads = kv.socket_reads(data[HEADER_BYTES:], cut)
+    header = fill_verified(data[:HEADER_BYTES], destination, reads)
     assert header == verify_block(data) and bytes(destination) == data[HEADER_BYTES:]
 
 
 @pytest.mark.parametrize("offset", STEP_POSITIONS)
-def test_copy_parts_verified_catches_a_flip_in_any_piece(offset: int) -> None:
+def test_fill_verified_catches_a_flip_in_any_step(offset: int) -> None:
     data = _flip(stored(payload_bytes(STEPPED)), (HEADER_BYTES + offset) * 8 + 5)
     with pytest.raises(CorruptBlock, match="checksum"):
-        copy_parts_verified(
-            data[:HEADER_BYTES], _in_pieces(data[HEADER_BYTES:], 100_000), bytearray(STEPPED)
+        fill_verified(
+            data[:HEADER_BYTES], bytearray(STEPPED), kv.socket_reads(data[HEADER_BYTES:], 100_000)
         )
 
 
-def test_copy_parts_verified_refuses_pieces_of_another_total() -> None:
+def test_fill_verified_refuses_a_destination_of_another_size() -> None:
     data = stored(payload_bytes(STEPPED))
-    pieces = _in_pieces(data[HEADER_BYTES:-1], 100_000)
     with pytest.raises(CorruptBlock, match="payload is"):
-        copy_parts_verified(data[:HEADER_BYTES], pieces, bytearray(STEPPED))
+        fill_verified(data[:HEADER_BYTES], bytearray(STEPPED - 1), kv.socket_reads(data, 100_000))
 
 
 @pytest.mark.parametrize("size", [STEPPED - 1, STEPPED + 1])

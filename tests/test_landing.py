@@ -9,7 +9,7 @@ import pytest
 from support import kv
 
 from kvstore import TieredStore
-from kvstore.block import Block, encode_block
+from kvstore.block import HEADER_BYTES, Block, encode_block
 from kvstore.chunk import chunk_bytes
 from kvstore.errors import CorruptBlock
 from kvstore.keys import ChunkKey, Namespace
@@ -27,10 +27,14 @@ def store(tmp_path: Path):
         yield opened
 
 
-def _pieces(block: Block, cut: int = 1000) -> list[memoryview]:
-    """A block as the socket hands it over: in pieces, one cut inside the header."""
-    data = memoryview(block.to_bytes())
-    return [data[:100], *(data[start : start + cut] for start in range(100, data.nbytes, cut))]
+def _land(
+    landing: Landing, index: int, keys: list[ChunkKey], data: bytes, cut: int = 1000
+) -> Reserved | None:
+    """Land block ``index`` as the daemon does: its header read first, then its
+    payload read off a socket in pieces of at most ``cut`` bytes."""
+    parent = keys[index - 1] if index else None
+    fill = kv.socket_reads(data[HEADER_BYTES:], cut)
+    return landing.land(index, keys[index], parent, data[:HEADER_BYTES], len(data), fill)
 
 
 def _blocks(ns: Namespace, keys: list[ChunkKey], seed: int = 0) -> list[Block]:
@@ -42,8 +46,8 @@ def _blocks(ns: Namespace, keys: list[ChunkKey], seed: int = 0) -> list[Block]:
 
 def _land_all(landing: Landing, keys: list[ChunkKey], blocks: list[Block]) -> list[Reserved]:
     landed = []
-    for index, (key, block) in enumerate(zip(keys, blocks, strict=True)):
-        reserved = landing.land(index, key, keys[index - 1] if index else None, _pieces(block))
+    for index, block in enumerate(blocks):
+        reserved = _land(landing, index, keys, block.to_bytes())
         assert reserved is not None
         landed.append(reserved)
     return landed
@@ -80,7 +84,7 @@ def test_an_aborted_put_leaves_free_space_and_index_as_before(store: TieredStore
     landing.abort()
     assert (store.tier(DRAM).used_bytes(), store.lookup(ns, keys).tiers) == before
     with pytest.raises(PutAborted):  # a block landing after the put failed is given back
-        landing.land(2, keys[2], keys[1], _pieces(blocks[2]))
+        _land(landing, 2, keys, blocks[2].to_bytes())
     assert store.tier(DRAM).used_bytes() == before[0]
 
 
@@ -91,7 +95,7 @@ def test_a_corrupt_block_gives_its_extent_back(store: TieredStore) -> None:
     data[-1] ^= 0x01
     landing = Landing(store, ns, keys)
     with pytest.raises(CorruptBlock, match="block 0: checksum mismatch"):
-        landing.land(0, keys[0], None, [memoryview(bytes(data))])
+        _land(landing, 0, keys, bytes(data))
     assert store.tier(DRAM).used_bytes() == 0
     assert store.lookup(ns, keys).num_chunks == 0
 
@@ -121,7 +125,7 @@ def test_a_block_with_no_extent_to_be_had_falls_back_to_a_normal_admission(
         keys = no_dram.keys_for(ns, kv.tokens(2))
         blocks = _blocks(ns, keys)
         landing = Landing(no_dram, ns, keys)
-        assert landing.land(0, keys[0], None, _pieces(blocks[0])) is None
+        assert _land(landing, 0, keys, blocks[0].to_bytes()) is None
         assert landing.commit(keys, blocks, None) == 2
         assert no_dram.lookup(ns, keys).tiers == (SSD, SSD)
 
@@ -148,7 +152,7 @@ def test_with_no_tier_below_dram_a_landing_never_evicts() -> None:
         keys = dram_only.keys_for(ns, kv.tokens(1))
         block = _blocks(ns, keys)[0]
         landing = Landing(dram_only, ns, keys)
-        assert landing.land(0, keys[0], None, _pieces(block)) is None
+        assert _land(landing, 0, keys, block.to_bytes()) is None
         assert dram_only.lookup(ns, old_keys).tiers == (DRAM, DRAM)
         assert landing.commit(keys, [block], None) == 1
         assert dram_only.lookup(ns, keys).tiers == (DRAM,)

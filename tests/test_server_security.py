@@ -154,8 +154,8 @@ def test_oversize_bodies_and_batches_are_413(daemon: Daemon, client: httpx.Clien
         f"Content-Length: {limit + 1}\r\nConnection: close\r\n\r\n".encode(),
     )
     assert status == 413 and b"request_too_large" in body
-    # Streamed (chunked, no length): the metadata alone declares more than the limit,
-    # in blocks each small enough for a chunk; refused before any block is sent.
+    # The metadata alone declares more than the limit, in blocks each small enough
+    # for a chunk: refused before any block is read.
     chain = make_chain(ns, 2)
     largest = HEADER_BYTES + ns.layout.chunk_nbytes + (64 << 10)
     count = limit // largest + 1
@@ -167,11 +167,16 @@ def test_oversize_bodies_and_batches_are_413(daemon: Daemon, client: httpx.Clien
     ).encode()
     streamed = len(meta).to_bytes(4, "little") + meta
     response = client.post(
+        "/v1/put", content=streamed, headers={"Content-Type": FRAMES_CONTENT_TYPE}
+    )
+    assert response.status_code == 413 and error_code(response) == "request_too_large"
+    # Chunked, with no length: refused (the body is read straight off the socket).
+    response = client.post(
         "/v1/put",
         content=iter([streamed[:1000], streamed[1000:]]),
         headers={"Content-Type": FRAMES_CONTENT_TYPE},
     )
-    assert response.status_code == 413 and error_code(response) == "request_too_large"
+    assert response.status_code == 411 and error_code(response) == "length_required"
     # Too many keys in one request (max_batch_chunks = 1024).
     keys = [bytes(16).hex()] * 1025
     for route in ("/v1/lookup", "/v1/get", "/v1/delete"):

@@ -43,6 +43,7 @@ from kvstore.server.events import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.routes import add_routes, is_local
+from kvstore.server.socket_body import close_borrowed
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE, DaemonState
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
@@ -81,6 +82,7 @@ def create_app(
     app[METRICS] = DaemonMetrics(store, leases, predictor)
     app[STATE] = DaemonState(config, asyncio.Semaphore(config.max_concurrent_puts))
     app.cleanup_ctx.append(expire_leases)
+    app.on_response_prepare.append(close_borrowed)
     if predictor is not None:
         app[PREDICTOR] = predictor
         app.cleanup_ctx.append(predictor.lifecycle)

@@ -80,6 +80,8 @@ class DaemonConfig:
     max_field_size: int = 8190
     max_headers: int = 64
     drain_timeout_s: float = 10.0
+    # A put whose body stops arriving for this long is dropped (its client gone quiet).
+    body_timeout_s: float = 30.0
     flush_on_exit: bool = True
     flush_timeout_s: float = 60.0
     workers: int = 8
@@ -100,7 +102,7 @@ class DaemonConfig:
                     "refusing to listen on TCP without an auth token: set daemon.auth_token "
                     f"or {TOKEN_VARIABLE}, or remove daemon.tcp_port"
                 )
-        for name in ("lease_ttl_s", "drain_timeout_s", "flush_timeout_s"):
+        for name in ("lease_ttl_s", "drain_timeout_s", "body_timeout_s", "flush_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"daemon.{name} must be a positive number of seconds")

@@ -1,13 +1,5 @@
-"""Frames bodies in and out of the daemon, moved without copying on the event loop.
-
-In (a put)::
-
-    request.content ──► FrameSplitter ──► ArrivedBlock(index, key, parts)
-      (chunks as        (metadata: FrameDecoder;   (views of the chunks a block
-       aiohttp read      blocks: cut at their       spans; joined, verified and
-       them)             lengths, never copied)     framed later, on a worker)
-
-Out (a bytes get)::
+"""Frames bodies out of the daemon (a bytes get), moved without copying on the event
+loop (a put's body comes in through ``kvstore.server.put``)::
 
     ServedGet ──► metadata (every length known up front)
                   then block by block, in order:
@@ -29,25 +21,17 @@ of it (``_flushed``).
 from __future__ import annotations
 
 import asyncio
-import struct
 import sys
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
 from kvstore.block import HEADER_BYTES
-from kvstore.keys import ChunkKey
 from kvstore.reader import VERIFY_WINDOW_BYTES
 from kvstore.serving import ServedGet
 from kvstore.store import TieredStore
 from kvstore.wire import (
     FRAMES_CONTENT_TYPE,
-    ErrorCode,
-    FrameDecoder,
-    FrameLimits,
-    WireError,
     encode_frames,
 )
 
@@ -55,116 +39,6 @@ WRITE_SLICE_BYTES = 256 << 10
 # Whether asyncio's transports buffer views of what they were given, not copies.
 _TRANSPORT_KEEPS_VIEWS = sys.version_info >= (3, 12)
 _FLUSH_POLL_S = 0.001
-# The frames body's length prefix (kvstore/wire.py): u32 LE, then that much JSON.
-_META_LENGTH = struct.Struct("<I")
-
-
-# -- in: a put's body ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ArrivedBlock:
-    """One block of a frames body as it arrived: views of the received chunks it
-    spans, in order (``None`` for a block the metadata says is absent)."""
-
-    index: int
-    key: ChunkKey
-    parts: list[memoryview] | None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.parts is None else sum(part.nbytes for part in self.parts)
-
-    def joined(self) -> bytes | memoryview | None:
-        """The block's bytes in one buffer (a copy unless it arrived in one piece)."""
-        if self.parts is None:
-            return None
-        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
-
-
-class FrameSplitter:
-    """Cuts a frames body into blocks as it streams in, copying none of their bytes.
-
-    The metadata goes through ``FrameDecoder`` (one parser and one set of
-    limits for client and daemon); after it, each block is the list of views
-    of the chunks fed that hold its bytes, so the chunks must not be mutated
-    (aiohttp hands out ``bytes``). Errors are the decoder's ``WireError``s.
-    """
-
-    def __init__(self, limits: FrameLimits) -> None:
-        self._decoder = FrameDecoder(limits)
-        self._fed = 0  # bytes of the length prefix and metadata fed to the decoder
-        self._prefix = bytearray()
-        self._entries: list[tuple[ChunkKey, int | None]] = []
-        self._next = 0
-        self._parts: list[memoryview] = []
-        self._filled = 0
-
-    @property
-    def meta(self) -> dict[str, Any] | None:
-        return self._decoder.meta
-
-    @property
-    def keys(self) -> list[ChunkKey]:
-        return [key for key, _ in self._entries]
-
-    def feed(self, data: bytes) -> list[ArrivedBlock]:
-        """The blocks ``data`` completes (absent ones included), in order."""
-        view = memoryview(data)
-        if self._decoder.meta is None:
-            view = self._feed_meta(view)
-            if self._decoder.meta is None:
-                return []
-            self._entries = [
-                (ChunkKey(bytes.fromhex(entry["key"])), entry["length"])
-                for entry in self._decoder.meta["blocks"]  # checked by the decoder
-            ]
-        return self._split(view)
-
-    def finish(self) -> None:
-        """Raise unless the body ended exactly after its last block."""
-        if self._decoder.meta is None or self._next < len(self._entries):
-            raise WireError(ErrorCode.MALFORMED_BODY, "body ended before its last block")
-
-    def _feed_meta(self, view: memoryview) -> memoryview:
-        """Feed the decoder the length prefix and the metadata, not a byte more;
-        return what follows them in ``view``."""
-        while self._decoder.meta is None and view.nbytes:
-            if self._fed < _META_LENGTH.size:
-                wanted = _META_LENGTH.size - self._fed
-            else:
-                wanted = _META_LENGTH.size + _META_LENGTH.unpack(self._prefix)[0] - self._fed
-            piece = view[:wanted]
-            if self._fed < _META_LENGTH.size:
-                self._prefix += piece
-            self._fed += piece.nbytes
-            # Refuses metadata over the limit as soon as its length is in.
-            self._decoder.feed(piece)
-            view = view[piece.nbytes :]
-        return view
-
-    def _split(self, view: memoryview) -> list[ArrivedBlock]:
-        arrived: list[ArrivedBlock] = []
-        while self._next < len(self._entries):
-            key, length = self._entries[self._next]
-            if length is None:
-                arrived.append(ArrivedBlock(self._next, key, None))
-                self._next += 1
-                continue
-            if not view.nbytes:
-                break
-            piece = view[: length - self._filled]
-            self._parts.append(piece)
-            self._filled += piece.nbytes
-            view = view[piece.nbytes :]
-            if self._filled < length:
-                break
-            arrived.append(ArrivedBlock(self._next, key, self._parts))
-            self._parts, self._filled = [], 0
-            self._next += 1
-        if view.nbytes:
-            raise WireError(ErrorCode.MALFORMED_BODY, "bytes after the last block")
-        return arrived
 
 
 # -- out: a bytes get's response -------------------------------------------------------

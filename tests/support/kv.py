@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,3 +81,20 @@ def two_level(tmp_path: Path) -> Iterator[TieredStore]:
     """A store of 64 DRAM slots over LMDB (the store tests' common case)."""
     with TieredStore(config(dram(64), ssd(tmp_path / "lmdb"))) as store:
         yield store
+
+
+def socket_reads(data: bytes, cut: int) -> Callable[[memoryview], None]:
+    """A ``fill`` reading ``data`` in order, at most ``cut`` bytes per read (a socket)."""
+    source = memoryview(data)
+
+    def fill(step: memoryview) -> None:
+        nonlocal source
+        filled = 0
+        while filled < step.nbytes:
+            take = min(cut, step.nbytes - filled, source.nbytes)
+            assert take, "read past the end of the source"
+            step[filled : filled + take] = source[:take]
+            source = source[take:]
+            filled += take
+
+    return fill
