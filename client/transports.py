@@ -16,6 +16,12 @@ from httpcore's in three ways:
   buffer's size on a Unix socket's ~200 KiB send buffer. (The write timeout
   then bounds each buffer h11 hands over, a body slice of at most 1 MiB,
   rather than each ``send``.)
+* A Unix socket gets a send buffer of ``UNIX_SEND_BUFFER_BYTES``: the default
+  (~208 KiB) holds a tenth of a 2 MiB block, so sender and receiver take
+  turns instead of overlapping. A put of 128 MiB over a Unix socket went
+  from ~2.0 to ~3.8 GB/s (bare aiohttp) and ~1.25 to ~3.2 GB/s (the daemon)
+  with 1-4 MiB. Linux caps it at ``net.core.wmem_max``; TCP keeps its
+  autotuning, which setting a size would turn off.
 * httpcore 1.0's blocking backend does not close a Unix socket whose
   ``connect`` fails (its asyncio backend, anyio, does): each call made while
   the daemon is down or restarting would leave a socket to the garbage
@@ -38,6 +44,10 @@ SocketOption = (
 )
 
 READ_BYTES = 128 << 10
+UNIX_SEND_BUFFER_BYTES = 4 << 20
+_UNIX_SOCKET_OPTIONS: list[SocketOption] = [
+    (socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
+]
 ASYNC_READ_BYTES = 256 << 10  # asyncio's own read size (selector transports)
 
 
@@ -64,6 +74,7 @@ class Transport(httpx.HTTPTransport):
             max_keepalive_connections=pool_limits.max_keepalive_connections,
             keepalive_expiry=pool_limits.keepalive_expiry,
             uds=uds,
+            socket_options=_UNIX_SOCKET_OPTIONS if uds else None,
             network_backend=_Backend(),
         )
 
@@ -78,6 +89,7 @@ class AsyncTransport(httpx.AsyncHTTPTransport):
             max_keepalive_connections=pool_limits.max_keepalive_connections,
             keepalive_expiry=pool_limits.keepalive_expiry,
             uds=uds,
+            socket_options=_UNIX_SOCKET_OPTIONS if uds else None,
             network_backend=_AsyncBackend(),
         )
 
