@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,7 +108,7 @@ class KVLayout:
 
     @property
     def chunk_nbytes(self) -> int:
-        return int(np.prod(self.chunk_shape)) * DTYPE_SIZES[self.dtype]
+        return math.prod(self.chunk_shape) * DTYPE_SIZES[self.dtype]  # math: ~20x np.prod
 
     @property
     def bytes_per_token(self) -> int:
