@@ -118,6 +118,39 @@ def test_shm_get_maps_the_arena_read_only(client: httpx.Client, ns: Namespace) -
     assert again.status_code == 404 and error_code(again) == "unknown_lease"
 
 
+def test_a_get_gives_back_the_leases_it_names(client: httpx.Client, ns: Namespace) -> None:
+    """``release`` in a get's body unpins those leases first (unknown ids skipped: one
+    expired, or released already), whichever transfer the get asks for."""
+    chain = make_chain(ns, 2, start=2500, seed=4)
+    put(client, chain)
+
+    def shm_get(release: list[str] | None = None) -> dict[str, object]:
+        body = {"namespace": ns.digest.hex(), "keys": chain.hex_keys, "transfer": "shm"}
+        if release is not None:
+            body["release"] = release
+        response = client.post("/v1/get", json=body)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def outstanding() -> int:
+        return int(client.get("/v1/stats").json()["daemon"]["leases_outstanding"])
+
+    before = outstanding()
+    first = shm_get()
+    assert first["release_with_get"] is True
+    second = shm_get(release=[str(first["lease"]), "0" * 32])
+    assert outstanding() == before + 1  # the first gave back, the second held
+    body = {"namespace": ns.digest.hex(), "keys": chain.hex_keys, "release": [second["lease"]]}
+    assert client.post("/v1/get", json=body).status_code == 200  # a bytes get
+    assert outstanding() == before
+    gone = client.post(f"/v1/leases/{second['lease']}/release")
+    assert gone.status_code == 404 and error_code(gone) == "unknown_lease"
+    for bad in ("not-a-list", [1, 2], ["x"] * 2000):
+        body = {"namespace": ns.digest.hex(), "keys": chain.hex_keys, "release": bad}
+        refused = client.post("/v1/get", json=body)
+        assert refused.status_code == 400 and error_code(refused) == "bad_request"
+
+
 def test_delete(client: httpx.Client, ns: Namespace) -> None:
     chain = make_chain(ns, 3, start=3000)
     put(client, chain)

@@ -118,6 +118,21 @@ def test_leases_pin_until_released_or_expired_exactly_once() -> None:
         assert store.demote(ns, keys) == 4  # every pin was given back
 
 
+def test_release_many_unpins_the_leases_still_there_exactly_once() -> None:
+    ns = kv.namespace()
+    with TieredStore(kv.config(kv.dram(8))) as store:
+        store.put(ns, kv.tokens(4), kv.chunks(4))
+        keys = store.keys_for(ns, kv.tokens(4))
+        table = LeaseTable(store, ttl_s=5.0, max_leases=8)
+        first, _ = table.grant(ns, keys[:2])
+        second, _ = table.grant(ns, keys[2:])
+        table.release(second.id)
+        # Released already, unknown, named twice: each skipped, nothing unpinned twice.
+        assert table.release_many([second.id, "unknown", first.id, first.id]) == 1
+        assert len(table) == 0 and table.pinned_blocks == 0
+        assert store.demote(ns, keys) == 4
+
+
 def test_release_all_unpins_everything() -> None:
     ns = kv.namespace()
     with TieredStore(kv.config(kv.dram(8))) as store:

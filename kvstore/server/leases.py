@@ -6,9 +6,15 @@ client copies them out of its own mapping. Every pin taken that way belongs
 to exactly one lease, and is given back exactly once: when the client
 releases the lease, when the lease expires, or when the daemon stops::
 
-    grant ──► {id: Lease(namespace, keys, expires_at)} ──┬── release(id) ──► unpin
-     (share pins,                                         ├── expire()    ──► unpin
-      lease recorded in the same call)                    └── release_all ──► unpin
+    grant ──► {id: Lease(namespace, keys, expires_at)} ──┬── release(id)       ──► unpin
+     (share pins,                                         ├── release_many(ids) ──► unpin
+      lease recorded in the same call)                    ├── expire()          ──► unpin
+                                                          └── release_all       ──► unpin
+
+``release_many`` is how a client's next get gives back the leases it is done
+with (their ids ride in the get's body, ``routes.get``), instead of one
+request per lease: unknown ids are skipped there, not refused, because a
+lease may have expired, or been released by a request that was retried.
 
 "Exactly once" holds because a lease leaves the table under ``_lock`` before
 its keys are unpinned: whoever removed it unpins, and nobody else can find
@@ -99,6 +105,16 @@ class LeaseTable:
             raise WireError(ErrorCode.UNKNOWN_LEASE, "lease does not exist (released or expired)")
         self.store.unpin(lease.namespace, lease.keys)
         return len(lease.keys)
+
+    def release_many(self, lease_ids: Sequence[str]) -> int:
+        """Unpin the leases of ``lease_ids`` that still exist; return how many leases
+        that was (unknown ids are skipped: expired, or released already)."""
+        with self._lock:
+            popped = [self._leases.pop(lease_id, None) for lease_id in lease_ids]
+        leases = [lease for lease in popped if lease is not None]
+        for lease in leases:
+            self.store.unpin(lease.namespace, lease.keys)
+        return len(leases)
 
     def expire(self) -> int:
         """Unpin every lease past its expiry; return how many leases expired."""

@@ -27,7 +27,7 @@ from kvstore.server.frames import send_served
 from kvstore.server.leases import Lease, LeaseTable
 from kvstore.server.put import put
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE
-from kvstore.serving import SharedBlock
+from kvstore.serving import ServedGet, SharedBlock
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import DRAMTier
@@ -114,23 +114,46 @@ async def post_event(request: web.Request) -> web.Response:
 
 
 async def get(request: web.Request) -> web.StreamResponse:
+    """A get of either transfer; it first gives back the leases its body names
+    (``release``), on the worker thread it needs anyway, so a shared-memory
+    client that gets continuously sends one request per get, not two."""
     store = request.app[STORE]
+    leases = request.app[LEASES]
     body = await read_json(request)
     namespace, keys = _namespace_and_keys(store, body)
+    released = _released(body, leases)
     transfer = body.get("transfer", "bytes")
     if transfer == "bytes":
-        return await _get_bytes(request, store, namespace, keys)
+        return await _get_bytes(request, store, leases, released, namespace, keys)
     if transfer == "shm":
-        return await _get_shared(request, store, namespace, keys)
+        return await _get_shared(request, store, leases, released, namespace, keys)
     raise WireError(ErrorCode.BAD_REQUEST, "transfer must be 'bytes' or 'shm'")
 
 
+def _released(body: dict[str, Any], leases: LeaseTable) -> list[str]:
+    """The ids of the leases a get gives back (``"release"``, optional): those its
+    client finished copying since its last get (``client.protocol``)."""
+    ids = body.get("release", [])
+    if (
+        not isinstance(ids, list)
+        or len(ids) > leases.max_leases
+        or not all(isinstance(lease_id, str) for lease_id in ids)
+    ):
+        raise WireError(ErrorCode.BAD_REQUEST, "release must be a list of lease ids")
+    return ids
+
+
 async def _get_bytes(
-    request: web.Request, store: TieredStore, namespace: Namespace, keys: list[ChunkKey]
+    request: web.Request,
+    store: TieredStore,
+    leases: LeaseTable,
+    released: list[str],
+    namespace: Namespace,
+    keys: list[ChunkKey],
 ) -> web.StreamResponse:
     """Stream the blocks as frames: each a complete, checksummed block, sent from
     where it lies; the pins ``serve`` took are given back however the response ends."""
-    served = await asyncio.to_thread(store.serving.serve, namespace, keys)
+    served = await asyncio.to_thread(_serve, leases, released, namespace, keys)
     try:
         return await send_served(request, store, served)
     finally:
@@ -139,19 +162,37 @@ async def _get_bytes(
         await asyncio.shield(asyncio.to_thread(store.serving.release_served, served))
 
 
+def _serve(
+    leases: LeaseTable, released: list[str], namespace: Namespace, keys: list[ChunkKey]
+) -> ServedGet:
+    """Give back the leases ``released`` names, then pin the batch. Worker thread."""
+    if released:
+        leases.release_many(released)
+    return leases.store.serving.serve(namespace, keys)
+
+
 async def _get_shared(
-    request: web.Request, store: TieredStore, namespace: Namespace, keys: list[ChunkKey]
+    request: web.Request,
+    store: TieredStore,
+    leases: LeaseTable,
+    released: list[str],
+    namespace: Namespace,
+    keys: list[ChunkKey],
 ) -> web.Response:
     """Pin the DRAM blocks under a lease and say where they lie in the arena, with
     each extent's generation as it was when pinned (the client's proof, after
-    copying, that the extent was not freed meanwhile: ``client.blocks``)."""
+    copying, that the extent was not freed meanwhile: ``client.blocks``).
+
+    ``release_with_get`` tells the client that it may give this lease back by
+    naming it in a later get (``_released``), so a client that gets again soon
+    sends one request per get rather than two.
+    """
     if not is_local(request):
         raise WireError(ErrorCode.BAD_REQUEST, "transfer 'shm' is only offered on the Unix socket")
     name = store.serving.shared_memory_name
     if name is None:
         raise WireError(ErrorCode.NOT_FOUND, "this daemon has no DRAM tier; use 'bytes'")
-    leases = request.app[LEASES]
-    lease, shared, located = await asyncio.to_thread(_share, leases, namespace, keys)
+    lease, shared, located = await asyncio.to_thread(_share, leases, released, namespace, keys)
     dram = store.tier(TierKind.DRAM)
     assert isinstance(dram, DRAMTier), "a shared-memory name comes from a DRAM tier"
     entries: list[dict[str, Any]] = []
@@ -174,14 +215,23 @@ async def _get_shared(
         else:
             entries.append({"key": key.hex(), "missing": True})
     return web.json_response(
-        {"lease": lease.id, "expires_in_s": lease.ttl_s, "shm": name, "blocks": entries}
+        {
+            "lease": lease.id,
+            "expires_in_s": lease.ttl_s,
+            "release_with_get": True,
+            "shm": name,
+            "blocks": entries,
+        }
     )
 
 
 def _share(
-    leases: LeaseTable, namespace: Namespace, keys: Sequence[ChunkKey]
+    leases: LeaseTable, released: list[str], namespace: Namespace, keys: Sequence[ChunkKey]
 ) -> tuple[Lease, list[SharedBlock | None], list[TierKind | None]]:
-    """Lease the DRAM blocks; locate the others (inline or missing). Worker thread."""
+    """Give back the leases ``released`` names (first: it frees their slots), lease
+    the DRAM blocks, and locate the others (inline or missing). Worker thread."""
+    if released:
+        leases.release_many(released)
     lease, shared = leases.grant(namespace, keys)
     others = [key for key, block in zip(keys, shared, strict=True) if block is None]
     located = leases.store.locate(namespace, others) if others else []
