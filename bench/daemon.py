@@ -36,8 +36,11 @@ ceiling is the transport used well.
 
 Gets are measured twice: ``get`` (the client allocates each chunk) and
 ``get_into`` (``get(..., out=)`` into the caller's preallocated tensors); both
-have the same ceiling. A put has no shared-memory path (it always travels
-over the socket), so there is no ``shm`` put row. Every put writes fresh keys
+have the same ceiling. A put has no shared-memory path, so there is no ``shm``
+put row: the daemon reads a put's body off the socket straight into its DRAM
+arena (``kvstore/server/socket_body.py``), client -> kernel -> arena, and a
+put through a shared segment would cost the same two copies (client ->
+segment -> arena) plus a lease. Every put writes fresh keys
 (the previous repetition's are deleted, untimed), so it is a real write.
 
 It also measures lookups per second of a 32K-token prefix (256-token chunks:
@@ -414,7 +417,9 @@ NOTES = [
     "the ceiling client discards the bytes it reads, the store client verifies every block.",
     "Put bodies, bare and store alike, go out as views of at most 1 MiB: whole multi-MiB "
     "pieces are quadratic in httpcore's default write path.",
-    "No shm put: a put always travels over the socket (the unix row).",
+    "No shm put: a put always travels over the socket (the unix row), read straight into "
+    "the DRAM arena; through shared memory it would pay the same two copies (client -> "
+    "segment -> arena as client -> kernel -> arena).",
 ]
 
 
