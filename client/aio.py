@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from time import time as wall_clock
@@ -65,6 +66,8 @@ class AsyncStoreClient:
         # Calls nothing waits for (``Call.wait``): tasks, at most MAX_DETACHED_CALLS
         # at once; close() waits for them.
         self._detached: set[asyncio.Task[None]] = set()
+        # Calls held back (``Call.delay_s``): timers, which close() fires at once.
+        self._delayed: dict[asyncio.TimerHandle, Call] = {}
 
     # -- the store's methods ----------------------------------------------------
 
@@ -147,6 +150,10 @@ class AsyncStoreClient:
         return self._protocol.client_stats()
 
     async def close(self) -> None:
+        delayed, self._delayed = self._delayed, {}
+        for timer, call in delayed.items():
+            timer.cancel()
+            self._start_detached(call)
         await asyncio.gather(*self._detached)
         await self._http.aclose()
         self._protocol.close()
@@ -181,15 +188,37 @@ class AsyncStoreClient:
                 return result
 
     async def _exchange(self, call: Call) -> Reply:
+        if not call.wait and call.delay_s > 0:
+            self._hold(call)
+            return Reply(202)
         if not call.wait and len(self._detached) < MAX_DETACHED_CALLS:
-            task = asyncio.create_task(self._send_detached(call))
-            self._detached.add(task)
-            task.add_done_callback(self._detached.discard)
+            self._start_detached(call)
+            return Reply(202)
+        if call.due is not None and not call.due():
             return Reply(202)
         return await self._send(call)
 
+    def _hold(self, call: Call) -> None:
+        """Send ``call`` in the background after its delay, if it is still due then.
+        A timer, not a sleeping task: most never send anything (a get took the
+        lease), and a timer is the cheapest way to find that out."""
+
+        def fire() -> None:
+            if self._delayed.pop(timer, None) is not None and (call.due is None or call.due()):
+                self._start_detached(dataclasses.replace(call, due=None))  # claimed just now
+
+        timer = asyncio.get_running_loop().call_later(call.delay_s, fire)
+        self._delayed[timer] = call
+
+    def _start_detached(self, call: Call) -> None:
+        task = asyncio.create_task(self._send_detached(call))
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+
     async def _send_detached(self, call: Call) -> None:
         try:
+            if call.due is not None and not call.due():
+                return
             reply = await self._send(call)
             if reply.status != 200:
                 raise from_reply(reply.status, reply.content)

@@ -10,16 +10,18 @@
 
 Why not frame every block first: the checksum reads the whole payload, so
 framing a batch up front keeps the daemon idle while the client hashes
-(tens of ms per 128 MiB) and sends each payload from memory after it left the
-cache. Framed one at a time, the daemon lands block ``i`` while the client
-hashes block ``i + 1``, and a payload is still in cache when the transport
-copies it. A body is iterated again on a retry: headers already computed are
-reused.
+(tens of ms per 128 MiB). Framed one at a time, the daemon lands block ``i``
+while the client hashes block ``i + 1``; with a ``hasher`` thread, block
+``i + 1`` is hashed there while this thread sends block ``i`` (xxhash and
+the socket's send both release the GIL), so the hashing leaves the sender's
+critical path. A body is iterated again on a retry: headers already
+computed are reused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, Future
 
 from kvstore.block import HEADER_BYTES, Block, encode_block
 from kvstore.keys import ChunkKey, Namespace
@@ -43,8 +45,11 @@ class PutBody:
         keys: Sequence[ChunkKey],
         payloads: Sequence[memoryview | None],
         session: str | None,
+        hasher: Executor | None = None,
     ) -> None:
         self._namespace = namespace
+        self._hasher = hasher
+        self._ahead: dict[int, Future[Block]] = {}
         self._keys = list(keys[: len(payloads)])
         self._payloads = list(payloads)
         self._blocks: list[Block | None] = [None] * len(payloads)
@@ -63,19 +68,31 @@ class PutBody:
 
     def __iter__(self) -> Iterator[bytes | memoryview]:
         yield from self._meta
-        for index, data in enumerate(self._payloads):
-            if data is None:
-                continue
-            block = self._block(index, data)
+        present = [index for index, data in enumerate(self._payloads) if data is not None]
+        for position, index in enumerate(present):
+            block = self._block(index)
+            if position + 1 < len(present):
+                self._frame_ahead(present[position + 1])
             yield block.header
             payload = block.payload
             for start in range(0, payload.nbytes, BODY_SLICE_BYTES):
                 yield payload[start : start + BODY_SLICE_BYTES]
 
-    def _block(self, index: int, data: memoryview) -> Block:
-        block = self._blocks[index]
+    def _block(self, index: int) -> Block:
+        """Block ``index``, framed: by the hasher thread if it was asked to, else here."""
+        ahead = self._ahead.pop(index, None)
+        block = ahead.result() if ahead is not None else self._blocks[index]
         if block is None:
-            parent = self._keys[index - 1] if index else None
-            block = encode_block(self._namespace, self._keys[index], parent, data)
-            self._blocks[index] = block
+            block = self._encode(index)
+        self._blocks[index] = block
         return block
+
+    def _frame_ahead(self, index: int) -> None:
+        if self._hasher is not None and self._blocks[index] is None and index not in self._ahead:
+            self._ahead[index] = self._hasher.submit(self._encode, index)
+
+    def _encode(self, index: int) -> Block:
+        data = self._payloads[index]
+        assert data is not None
+        parent = self._keys[index - 1] if index else None
+        return encode_block(self._namespace, self._keys[index], parent, data)

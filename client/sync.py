@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from time import monotonic
 from time import time as wall_clock
 from types import TracebackType
 from typing import Any
@@ -18,6 +21,7 @@ from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
 from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.failures import from_reply, from_transport
 from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
+from kvstore.client.socket_body import open_body
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError
 from kvstore.events import RequestFinished, RequestStarted, Trigger
@@ -65,6 +69,8 @@ class StoreClient:
         # MAX_DETACHED_CALLS at once; close() waits for them.
         self._detached = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-detached")
         self._detached_slots = threading.BoundedSemaphore(MAX_DETACHED_CALLS)
+        # Calls held back (``Call.delay_s``), sent, if still due, by its one thread.
+        self._delayed = _Delayed(self._send_delayed)
 
     # -- the store's methods ----------------------------------------------------
 
@@ -147,6 +153,7 @@ class StoreClient:
         return self._protocol.client_stats()
 
     def close(self) -> None:
+        self._delayed.close()  # sends what is still due now, not after its delay
         self._detached.shutdown(wait=True)
         self._http.close()
         self._protocol.close()
@@ -181,26 +188,41 @@ class StoreClient:
                 return result
 
     def _exchange(self, call: Call) -> Reply:
+        if not call.wait and call.delay_s > 0 and self._delayed.hold(call):
+            return Reply(202)
         if not call.wait and self._detached_slots.acquire(blocking=False):
             self._detached.submit(self._send_detached, call)
+            return Reply(202)
+        if call.due is not None and not call.due():
             return Reply(202)
         return self._send(call)
 
     def _send_detached(self, call: Call) -> None:
         try:
+            self._send_delayed(call)
+        finally:
+            self._detached_slots.release()
+
+    def _send_delayed(self, call: Call) -> None:
+        """Send a call nothing waits for, if it is still due; log how it went."""
+        try:
+            if call.due is not None and not call.due():
+                return
             reply = self._send(call)
             if reply.status != 200:
                 raise from_reply(reply.status, reply.content)
         except KVStoreError as error:
             log.debug("%s %s (sent in the background) failed: %s", call.method, call.path, error)
-        finally:
-            self._detached_slots.release()
 
     def _send(self, call: Call) -> Reply:
         try:
             response = self._open(call)
             try:
                 if response.status_code == 200 and call.sink is not None:
+                    body = open_body(response)
+                    if body is not None:  # straight off the socket, then closed
+                        call.sink.receive(body)
+                        return Reply(200)
                     for data in response.iter_bytes():
                         call.sink.feed(data)
                     call.sink.finish()
@@ -225,6 +247,64 @@ class StoreClient:
         return self._http.build_request(
             call.method, call.path, json=call.json, content=content, headers=call.headers
         )
+
+
+class _Delayed:
+    """Calls held back until ``Call.delay_s`` has passed, then handed to ``send``.
+
+    One thread, started with the first call, sleeps until the earliest is due.
+    It is woken early only by a call due before all the others (with one
+    delay for all, only one arriving to an empty queue) and at ``close``, so
+    a client that gets continuously costs it one short wake-up per call,
+    most of which find the call no longer due (a get took its lease). The
+    queue holds calls, not threads or slots: a burst of gets never makes a
+    release wait for room, and the daemon bounds the leases, hence the calls.
+    """
+
+    def __init__(self, send: Callable[[Call], None]) -> None:
+        self._send = send
+        self._wake = threading.Condition()
+        self._queue: list[tuple[float, int, Call]] = []
+        self._order = itertools.count()  # ties keep arrival order; calls never compare
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def hold(self, call: Call) -> bool:
+        """Queue ``call``; ``False`` once closed (the caller sends it itself)."""
+        with self._wake:
+            if self._closed:
+                return False
+            heapq.heappush(self._queue, (monotonic() + call.delay_s, next(self._order), call))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvstore-delayed", daemon=True
+                )
+                self._thread.start()
+            elif self._queue[0][2] is call:  # due before any other: sleep less
+                self._wake.notify()
+        return True
+
+    def close(self) -> None:
+        """Send every call still queued now, and stop the thread."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and (not self._queue or self._queue[0][0] > monotonic()):
+                    self._wake.wait(self._queue[0][0] - monotonic() if self._queue else None)
+                if not self._queue:  # closed, and nothing left
+                    return
+                _, _, call = heapq.heappop(self._queue)
+            try:
+                self._send(call)
+            except Exception:  # never lose the thread, and with it every call queued
+                log.exception("%s %s (delayed) failed", call.method, call.path)
 
 
 def _now(when: float | None) -> float:

@@ -1,7 +1,7 @@
 """The httpx transports ``connect`` gives its clients: Unix socket or TCP, bounded pools.
 
 They are httpx's own transports over network backends of ours, which differ
-from httpcore's in three ways:
+from httpcore's in these ways:
 
 * Reads take more than the 64 KiB httpcore asks for: a get moves tens of
   MiB, and every read is a pass through h11 and httpcore. Blocking reads
@@ -22,6 +22,9 @@ from httpcore's in three ways:
   from ~2.0 to ~3.8 GB/s (bare aiohttp) and ~1.25 to ~3.2 GB/s (the daemon)
   with 1-4 MiB. Linux caps it at ``net.core.wmem_max``; TCP keeps its
   autotuning, which setting a size would turn off.
+* The blocking stream cuts each response's head from its body, so that h11
+  buffers nothing of the body and a bytes get can read it off the socket
+  itself (``BodyStream``, ``client.socket_body``).
 * httpcore 1.0's blocking backend does not close a Unix socket whose
   ``connect`` fails (its asyncio backend, anyio, does): each call made while
   the daemon is down or restarting would leave a socket to the garbage
@@ -30,6 +33,7 @@ from httpcore's in three ways:
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
 from collections.abc import Iterable
@@ -49,6 +53,8 @@ _UNIX_SOCKET_OPTIONS: list[SocketOption] = [
     (socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
 ]
 ASYNC_READ_BYTES = 256 << 10  # asyncio's own read size (selector transports)
+# The end of a response head, as h11 finds it.
+_BLANK_LINE = re.compile(b"\n\r?\n")
 
 
 def limits(max_connections: int) -> httpx.Limits:
@@ -94,11 +100,49 @@ class AsyncTransport(httpx.AsyncHTTPTransport):
         )
 
 
-class _Stream(SyncStream):
+class BodyStream(SyncStream):
+    """httpcore's blocking stream, with large reads, ``sendall``, and a response's
+    head cut from its body, so that a bytes get can read the body itself
+    (``client.socket_body``).
+
+    After each write (a request going out), reads are in the response's head:
+    a read that takes in the head's blank line returns only up to it, and keeps
+    the rest for ``take_body_start`` (or the next read). One connection, one
+    thread at a time (httpcore's pool hands it to one request).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self._in_head = False
+        self._head_tail = b""  # the last bytes of the head so far: a blank line may straddle
+        self._pending = b""  # read off the socket, after the head
+
+    @property
+    def socket(self) -> socket.socket:
+        return self._sock
+
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return super().read(max(max_bytes, READ_BYTES), timeout)
+        if self._pending:
+            data, self._pending = self._pending, b""
+        else:
+            data = super().read(max(max_bytes, READ_BYTES), timeout)
+        if self._in_head and data:
+            data = self._cut_head(data)
+        return data
+
+    def take_body_start(self) -> bytes | None:
+        """What was read past the head just received (``None``: no head was cut)."""
+        if self._in_head:
+            return None
+        pending, self._pending = self._pending, b""
+        return pending
+
+    def give_back(self, pending: bytes) -> None:
+        """Undo ``take_body_start``: the body goes through h11 after all."""
+        self._pending = pending
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._in_head, self._head_tail = True, b""
         try:
             self._sock.settimeout(timeout)
             self._sock.sendall(buffer)
@@ -106,6 +150,17 @@ class _Stream(SyncStream):
             raise httpcore.WriteTimeout(str(error)) from error
         except OSError as error:
             raise httpcore.WriteError(str(error)) from error
+
+    def _cut_head(self, data: bytes) -> bytes:
+        seen = self._head_tail + data
+        match = _BLANK_LINE.search(seen)
+        if match is None:
+            self._head_tail = seen[-2:]
+            return data
+        end = match.end() - len(self._head_tail)
+        self._in_head, self._head_tail = False, b""
+        self._pending = data[end:]
+        return data[:end]
 
 
 class _Backend(httpcore.SyncBackend):
@@ -147,7 +202,7 @@ class _Backend(httpcore.SyncBackend):
 
 def _configured(
     sock: socket.socket, options: Iterable[SocketOption] | None, *, nodelay: bool
-) -> _Stream:
+) -> BodyStream:
     """``sock``, connected, with ``options`` set (and ``TCP_NODELAY``, as httpcore does)."""
     try:
         for option in options or ():
@@ -157,7 +212,7 @@ def _configured(
     except OSError as error:
         sock.close()
         raise httpcore.ConnectError(str(error)) from error
-    return _Stream(sock)
+    return BodyStream(sock)
 
 
 class _AsyncStream(httpcore.AsyncNetworkStream):

@@ -254,6 +254,42 @@ def test_multi_mib_chunks_round_trip_bit_for_bit(
     asyncio.run(scenario())
 
 
+def test_a_finished_lease_rides_on_the_next_get_or_goes_back_after_a_delay(
+    flavour: str, daemon: Daemon, ns: Namespace
+) -> None:
+    """Shared-memory gets in a row cost one request each: each gives back the lease
+    of the one before in its body, with no release request; the last lease goes
+    back by a request of its own once ``release_delay_s`` has passed, or at
+    ``close``, whichever comes first."""
+    target = daemon_target(daemon, "unix-shm")
+    tokens, chunks = kv.tokens(3), kv.chunks(3, seed=5)
+    keys = chunk_keys(ns, tokens)
+    held = daemon_stats(daemon)["leases_outstanding"]
+
+    def outstanding() -> int:
+        return int(daemon_stats(daemon)["leases_outstanding"]) - held
+
+    async def scenario() -> None:
+        async with opened(flavour, target.url, **target.options) as store:
+            store.client._protocol.release_delay_s = 1.0
+            await store.put(ns, tokens, chunks)
+            releases = lease_releases(daemon)
+            for _ in range(3):
+                got = await store.get(ns, keys)
+                assert all(same_bytes(c, t) for c, t in zip(got, chunks, strict=True))
+            assert outstanding() == 1 and lease_releases(daemon) == releases
+            deadline = time.monotonic() + 10.0
+            while outstanding() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the async flavour's timer runs on this loop
+            assert outstanding() == 0 and lease_releases(daemon) == releases + 1
+            store.client._protocol.release_delay_s = 60.0
+            await store.get(ns, keys)
+            assert outstanding() == 1
+        assert outstanding() == 0  # close sent it at once
+
+    asyncio.run(scenario())
+
+
 # -- many clients at once --------------------------------------------------------------
 
 

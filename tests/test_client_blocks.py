@@ -4,12 +4,16 @@ buffer pool."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -41,9 +45,11 @@ from kvstore.client.blocks import FramesSink, LeasedBlock, Verify, copy_leased, 
 from kvstore.client.buffers import BufferPool
 from kvstore.client.protocol import ClientProtocol
 from kvstore.client.shm import SharedArena
+from kvstore.client.socket_body import SocketBody
+from kvstore.client.transports import BodyStream
 from kvstore.codec import encode_payload
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import ChunkKey
 from kvstore.tiers.dram import DRAMTier
 
 # -- received blocks -------------------------------------------------------------------
@@ -149,7 +155,8 @@ def test_tier_labels_the_client_does_not_know_are_the_daemon_failing() -> None:
             tier_of(label)
 
 
-@pytest.mark.parametrize(
+# Bodies a daemon could only send by failing: fed or read off a socket alike.
+MALFORMED_BODIES = pytest.mark.parametrize(
     "body",
     [
         frames(BLOCKS)[:-1],  # truncated
@@ -159,10 +166,110 @@ def test_tier_labels_the_client_does_not_know_are_the_daemon_failing() -> None:
     ],
     ids=["truncated", "trailing", "short", "huge-meta"],
 )
+
+
+@MALFORMED_BODIES
 def test_frames_sink_refuses_a_malformed_body_as_the_daemon_failing(body: bytes) -> None:
     sink = FramesSink(NS, KEYS, None, BufferPool(1 << 20))
     with pytest.raises(TierUnavailable):
         feed_in_pieces(sink, body)
+
+
+# -- bodies read off the socket (``FramesSink.receive``) ------------------------------
+
+GET = httpx.Request("POST", "http://kvstore/v1/get")
+
+
+def receive_over_socket(
+    sink: FramesSink, body: bytes, *, pending: int = 5, send: int | None = None
+) -> None:
+    """``sink.receive`` a ``body`` of ``len(body)`` bytes: its first ``pending`` bytes
+    as if already read past the response head, the rest (or ``send`` bytes of it,
+    then a hang-up) over a real socket pair, sent by another thread."""
+    ours, theirs = socket.socketpair()
+
+    def sender() -> None:
+        with contextlib.suppress(OSError), theirs:  # the reader may stop early
+            theirs.sendall(body[pending : send if send is None else pending + send])
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    try:
+        sink.receive(SocketBody(ours, body[:pending], len(body), 5.0, GET))
+    finally:
+        ours.close()
+        thread.join()
+
+
+def test_a_body_off_the_socket_turns_every_bad_block_into_a_counted_miss() -> None:
+    other = kv.namespace(salt="another tenant")
+    keys = [*KEYS, *chunk_keys(NS, kv.tokens(4, start=10_000))]
+    blocks: list[bytes | None] = [
+        BLOCKS[0],  # good
+        flip(BLOCKS[1], 1000),  # a payload bit flipped in transit
+        BLOCKS[0],  # a good block, but of another key
+        block_bytes(other, keys[3], CHUNKS[0]),  # the right key, another namespace
+        None,  # not cached
+        flip(BLOCKS[2], 3),  # a header bit flipped: refused before its payload is read
+        block_bytes(NS, keys[6], CHUNKS[2]),  # good, after the bad header's payload
+    ]
+    sink = FramesSink(NS, keys, None, BufferPool(1 << 20))
+    receive_over_socket(sink, frames(blocks, keys))
+    got = [chunk is not None for chunk in sink.received.chunks]
+    assert got == [True, False, False, False, False, False, True]
+    assert sink.received.corrupt == 4
+    first, last = sink.received.chunks[0], sink.received.chunks[6]
+    assert first is not None and first.tier is TierKind.DRAM and first.key == KEYS[0]
+    assert torch.equal(first.tensor(), CHUNKS[0])
+    assert last is not None and torch.equal(last.tensor(), CHUNKS[2])
+
+
+def test_a_body_off_the_socket_lands_in_the_out_buffers_raw_or_decoded() -> None:
+    raw = chunk_bytes(CHUNKS[1], NS.layout)
+    packed = memoryview(encode_payload(raw, "float16", Codec.ZSTD))
+    compressed = encode_block(NS, KEYS[1], None, packed, codec=Codec.ZSTD, raw_len=raw.nbytes)
+    out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS]
+    destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
+    sink = FramesSink(NS, KEYS, destinations, BufferPool(1 << 20))
+    receive_over_socket(sink, frames([BLOCKS[0], compressed.to_bytes(), BLOCKS[2]]))
+    assert all(torch.equal(buffer, chunk) for buffer, chunk in zip(out, CHUNKS, strict=True))
+    for chunk, destination in zip(sink.received.chunks, destinations, strict=True):
+        assert chunk is not None
+        assert np.shares_memory(np.frombuffer(chunk.payload, dtype=np.uint8), destination)
+
+
+@MALFORMED_BODIES
+def test_a_malformed_body_off_the_socket_is_the_daemon_failing(body: bytes) -> None:
+    with pytest.raises(TierUnavailable):
+        receive_over_socket(FramesSink(NS, KEYS, None, BufferPool(1 << 20)), body, pending=2)
+
+
+def test_a_daemon_hanging_up_mid_body_is_a_read_error() -> None:
+    """Raised as httpx's, for the shell to translate (``client.failures``)."""
+    with pytest.raises(httpx.ReadError):
+        receive_over_socket(
+            FramesSink(NS, KEYS, None, BufferPool(1 << 20)), frames(BLOCKS), send=5000
+        )
+
+
+def test_the_stream_cuts_a_response_head_from_its_body() -> None:
+    """h11 gets the head and nothing more; the body's first bytes wait for
+    ``take_body_start``, or for the next read if h11 reads the body after all."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n"
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        stream = BodyStream(ours)
+        stream.write(b"POST / HTTP/1.1\r\n\r\n", timeout=1.0)
+        theirs.sendall(head[:-1])  # the blank line split across two reads
+        got = stream.read(65536, timeout=1.0)
+        theirs.sendall(head[-1:] + b"hello world")
+        got += stream.read(65536, timeout=1.0)
+        assert got == head
+        assert stream.take_body_start() == b"hello world"
+        stream.give_back(b"hello world")
+        assert stream.read(65536, timeout=1.0) == b"hello world"
+        stream.write(b"POST / HTTP/1.1\r\n\r\n", timeout=1.0)  # the next request
+        assert stream.take_body_start() is None  # no head read since
 
 
 @pytest.fixture
@@ -234,23 +341,31 @@ def four_entries() -> list[LeasedBlock]:
 def test_a_large_lease_is_copied_by_two_threads(
     four_blocks: SharedArena, monkeypatch: pytest.MonkeyPatch, into_out: bool, helper_busy: bool
 ) -> None:
-    """Each half (blocks 0-1 here, 2-3 on the helper) verified, a corrupt block in each;
-    a helper busy with another call's copy leaves both halves to the caller."""
+    """Both threads take blocks as they come (here checksummed whole: no generations),
+    each verified, the corrupt ones missed; a helper busy with another call's copy is
+    not waited for, and this thread copies everything."""
     monkeypatch.setattr(client_blocks, "PARALLEL_COPY_BYTES", 0)
     out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in FOUR_KEYS]
     destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
-    copied_by: dict[ChunkKey, str] = {}
-    real_copy_one = client_blocks._copy_one
+    copied_by: list[str] = []
+    helper_copied = threading.Event()
+    real_copy_verified = client_blocks.copy_verified
 
-    def copy_one(view: memoryview, namespace: Namespace, key: ChunkKey, *rest: Any) -> Any:
-        copied_by[key] = threading.current_thread().name
-        return real_copy_one(view, namespace, key, *rest)
+    def copy_verified(*args: Any) -> Any:
+        name = threading.current_thread().name
+        copied_by.append(name)
+        if name.startswith("helper"):
+            helper_copied.set()
+        elif not helper_busy:  # leave the helper's thread time to take a block
+            helper_copied.wait(5.0)
+        return real_copy_verified(*args)
 
-    monkeypatch.setattr(client_blocks, "_copy_one", copy_one)
+    monkeypatch.setattr(client_blocks, "copy_verified", copy_verified)
     busy = threading.Event()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="helper") as helper:
         if helper_busy:
             helper.submit(busy.wait, 10.0)
+        started = time.monotonic()
         received = copy_leased(
             four_blocks,
             NS,
@@ -260,6 +375,7 @@ def test_a_large_lease_is_copied_by_two_threads(
             BufferPool(1 << 20),
             helper,
         )
+        took = time.monotonic() - started
         busy.set()
     assert [chunk is not None for chunk in received.chunks] == [True, False, True, False]
     assert received.corrupt == 2
@@ -267,8 +383,12 @@ def test_a_large_lease_is_copied_by_two_threads(
         chunk = received.chunks[index]
         assert chunk is not None and torch.equal(chunk.tensor(), FOUR_CHUNKS[index])
         assert torch.equal(out[index], FOUR_CHUNKS[index]) is into_out
-    on_helper = [copied_by[key].startswith("helper") for key in FOUR_KEYS]
-    assert on_helper == [False, False] + [not helper_busy] * 2
+    assert len(copied_by) == 4  # each block copied once
+    on_helper = sum(name.startswith("helper") for name in copied_by)
+    if helper_busy:
+        assert on_helper == 0 and took < 5.0
+    else:
+        assert on_helper >= 1
 
 
 @pytest.fixture
@@ -336,6 +456,47 @@ def test_fast_copies_are_not_checksummed_while_their_extent_is_unchanged(
         arena.close()
 
 
+@pytest.mark.parametrize("into_out", [False, True])
+def test_fast_copies_are_shared_between_two_threads(
+    dram: DRAMTier, monkeypatch: pytest.MonkeyPatch, into_out: bool
+) -> None:
+    """FAST blocks are taken by either thread, every block copied exactly once and
+    whole, whichever thread copies which."""
+    monkeypatch.setattr(client_blocks, "PARALLEL_COPY_BYTES", 0)
+    store_blocks(dram, [(KEYS[0], BLOCKS[0]), (KEYS[1], BLOCKS[1]), (KEYS[2], BLOCKS[2])])
+    entries = [leased(dram, key) for key in KEYS]
+    copies: list[tuple[int, int]] = []
+    real_copy_range = client_blocks._copy_range
+
+    def copy_range(source: memoryview, target: memoryview, start: int, end: int) -> None:
+        copies.append((start, end))
+        real_copy_range(source, target, start, end)
+
+    monkeypatch.setattr(client_blocks, "_copy_range", copy_range)
+    out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS]
+    destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
+    arena = SharedArena(dram.arena.name)
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="helper") as helper:
+            received = copy_leased(
+                arena,
+                NS,
+                KEYS,
+                entries,
+                destinations if into_out else None,
+                BufferPool(1 << 20),
+                helper,
+                Verify.FAST,
+            )
+    finally:
+        arena.close()
+    assert received.corrupt == 0
+    for index, chunk in enumerate(received.chunks):
+        assert chunk is not None and payload_of(chunk) == expected(index)
+        assert torch.equal(out[index], CHUNKS[index]) is into_out
+    assert copies == [(0, len(BLOCKS[0]) - HEADER_BYTES)] * 3
+
+
 def test_a_fast_copy_of_an_extent_freed_since_its_lease_is_checksummed(
     dram: DRAMTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -348,20 +509,24 @@ def test_a_fast_copy_of_an_extent_freed_since_its_lease_is_checksummed(
     entries = [leased(dram, KEYS[0]), leased(dram, KEYS[1])]
     torn = BLOCKS[0][: HEADER_BYTES + 100] + BLOCKS[1][HEADER_BYTES + 100 :]
     arena = SharedArena(dram.arena.name)
-    real_copy = client_blocks.copy_unverified
+    real_copy = client_blocks._copy_range
+    rewritten: list[int] = []
 
-    def rewritten_during_the_copy(header: bytes, source: memoryview, target: memoryview) -> Any:
+    def rewritten_during_the_copy(
+        source: memoryview, target: memoryview, start: int, end: int
+    ) -> None:
         # Block 1 is freed and rewritten, intact, while block 0's bytes are read.
-        dram.delete_many(NS.digest, [KEYS[1]])
-        store_blocks(dram, [(KEYS[1], BLOCKS[1])])
-        monkeypatch.setattr(client_blocks, "copy_unverified", real_copy)
-        return real_copy(header, source, target)
+        if not rewritten:
+            dram.delete_many(NS.digest, [KEYS[1]])
+            store_blocks(dram, [(KEYS[1], BLOCKS[1])])
+            rewritten.append(start)
+        real_copy(source, target, start, end)
 
     try:
         dram.delete_many(NS.digest, [KEYS[0]])  # freed, then the same extent reused
         store_blocks(dram, [(KEYS[0], torn)])
         assert leased(dram, KEYS[0]).offset == entries[0].offset
-        monkeypatch.setattr(client_blocks, "copy_unverified", rewritten_during_the_copy)
+        monkeypatch.setattr(client_blocks, "_copy_range", rewritten_during_the_copy)
         received = copy_leased(
             arena, NS, KEYS[:2], entries, None, BufferPool(1 << 20), verify=Verify.FAST
         )
