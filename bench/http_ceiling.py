@@ -5,7 +5,10 @@ the best the same transports do with nothing of kvstore around them: this
 app answers a get with a same-size body written one chunk at a time (as the
 daemon writes one block at a time), from distinct, touched memory, and reads
 and discards a put's body; ``BareHTTP`` drives it with the httpx transport,
-pool, timeout and headers ``kvstore.connect`` gives a ``StoreClient``.
+pool, timeout and headers ``kvstore.connect`` gives a ``StoreClient``, and
+reads a get's body the way that client does: straight off the socket with
+``recv_into`` (``kvstore.client.socket_body``), here into one preallocated,
+touched buffer (the memory a caller's ``out=`` would be), nothing verified.
 
     python bench/http_ceiling.py SOCKET PORT   # what ceiling_process starts
 """
@@ -28,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import HOST, ServerProcess, free_port  # noqa: E402
 
+from kvstore.client.socket_body import open_body  # noqa: E402
 from kvstore.client.transports import transport  # noqa: E402
+from kvstore.server.frames import widen_send_buffer  # noqa: E402
 
 
 def ceiling_process(root: Path) -> tuple[ServerProcess, int]:
@@ -60,6 +65,7 @@ def serve_ceiling(socket_path: str, port: int) -> None:
         body = body_of(nbytes)
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         response.content_length = nbytes
+        widen_send_buffer(request)  # the daemon's socket settings for a get
         await response.prepare(request)
         for start in range(0, nbytes, piece):
             await response.write(body[start : start + piece])
@@ -107,17 +113,24 @@ class BareHTTP:
             timeout=httpx.Timeout(timeout_s),
             headers={"Authorization": f"Bearer {token}"} if token else None,
         )
+        self._into = memoryview(bytearray(0))
 
     def get(self, nbytes: int, piece: int) -> int:
-        """Fetch an ``nbytes`` body and throw it away; how many bytes came."""
+        """Fetch an ``nbytes`` body into this client's buffer, read off the socket as
+        the store client reads a get; how many bytes came."""
+        if self._into.nbytes < nbytes:
+            self._into = memoryview(np.ones(nbytes, dtype=np.uint8).data)  # touched
         request = self._http.build_request(
             "POST", "/get", params={"nbytes": nbytes, "piece": piece}
         )
         response = self._http.send(request, stream=True)
         received = 0
         try:
-            for data in response.iter_bytes():
-                received += len(data)
+            body = open_body(response)
+            if body is None:
+                raise RuntimeError("bare get: the body could not be read off the socket")
+            received = body.remaining
+            body.readinto(self._into[:received])
         finally:
             response.close()
         if response.status_code != 200 or received != nbytes:

@@ -21,6 +21,7 @@ of it (``_flushed``).
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from collections import deque
 
@@ -36,6 +37,10 @@ from kvstore.wire import (
 )
 
 WRITE_SLICE_BYTES = 256 << 10
+# A Unix socket's send buffer while a get streams (the default, ~208 KiB, is a
+# tenth of a 2 MiB block: the daemon and its reader would take turns); TCP
+# keeps its autotuning. The client's own sends do the same (client.transports).
+UNIX_SEND_BUFFER_BYTES = 4 << 20
 # Whether asyncio's transports buffer views of what they were given, not copies.
 _TRANSPORT_KEEPS_VIEWS = sys.version_info >= (3, 12)
 _FLUSH_POLL_S = 0.001
@@ -65,6 +70,7 @@ async def send_served(
         response.content_length = sum(len(piece) for piece in meta) + sum(
             length for length in served.lengths if length is not None
         )
+        widen_send_buffer(request)
         await response.prepare(request)
         for piece in meta:
             await response.write(piece)
@@ -79,6 +85,15 @@ async def send_served(
     finally:
         reader.cancel()
     return response
+
+
+def widen_send_buffer(request: web.Request) -> None:
+    """Give a Unix-socket connection ``UNIX_SEND_BUFFER_BYTES`` of send buffer before
+    a large response (Linux caps it at ``net.core.wmem_max``)."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family == socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
 
 
 async def _flushed(request: web.Request) -> None:
