@@ -338,13 +338,18 @@ def test_a_get_streams_dram_and_lmdb_blocks_in_order(daemon_factory: Callable[..
 def test_a_client_hanging_up_mid_get_leaves_no_pins(daemon_factory: Callable[..., Daemon]) -> None:
     instance = daemon_factory(BIG_DRAM, daemon={"max_body_bytes": 64 << 20})
     ns = Namespace("big", BIG_LAYOUT, tenant_salt="hang-up")
+    # 12 MiB from LMDB in front of the pinned DRAM blocks: more than the 8 MiB a Unix
+    # connection buffers while a get streams, so the daemon is still writing.
+    below = _big_chain(ns, 12, start=50_000)
     first = _big_chain(ns, BIG_DRAM_SLOTS, start=0)
     with instance.client(timeout_s=30) as client:
         register(client, ns)
-        put(client, first)
+        put(client, below)
+        put(client, first)  # every block of ``below`` goes to LMDB
         hung_up = _requests(client, "/v1/get", "499")
+        keys = below.hex_keys + first.hex_keys
         request = json.dumps(
-            {"namespace": ns.digest.hex(), "keys": first.hex_keys, "transfer": "bytes"}
+            {"namespace": ns.digest.hex(), "keys": keys, "transfer": "bytes"}
         ).encode()
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
             raw.connect(str(instance.socket_path))
@@ -352,7 +357,7 @@ def test_a_client_hanging_up_mid_get_leaves_no_pins(daemon_factory: Callable[...
                 b"POST /v1/get HTTP/1.1\r\nHost: kvstore\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n%s" % (len(request), request)
             )
-            assert raw.recv(4096).startswith(b"HTTP/1.1 200")  # 7 MiB on their way
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200")  # 19 MiB on their way
         deadline = time.monotonic() + 10
         while _requests(client, "/v1/get", "499") == hung_up:
             assert time.monotonic() < deadline, "the daemon never noticed the hang-up"
