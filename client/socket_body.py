@@ -39,15 +39,15 @@ import sys
 
 import httpx
 
+from kvstore.body_reads import BodyReader
 from kvstore.client.transports import BodyStream
-from kvstore.wire import ErrorCode, WireError
 
 # MSG_WAITALL: the kernel fills a whole step in one call (one syscall and one
 # trip through Python per 256 KiB, rather than one per segment that arrived).
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
-class SocketBody:
+class SocketBody(BodyReader):
     """The ``length`` bytes of a response body: ``pending`` first, then the socket.
 
     Blocking, with ``timeout_s`` as the most a single read may wait without a
@@ -66,9 +66,8 @@ class SocketBody:
         timeout_s: float | None,
         request: httpx.Request,
     ) -> None:
+        super().__init__(pending, length)
         self._sock = sock
-        self._pending = memoryview(pending)
-        self.remaining = length
         self._request = request
         # Blocking, with the kernel's receive timeout: a MSG_WAITALL read then
         # waits for the whole step, or returns what came before the timeout.
@@ -81,33 +80,6 @@ class SocketBody:
             )
         elif timeout_s is not None:
             sock.settimeout(timeout_s)  # elsewhere: Python's poll-then-read
-
-    def read_exact(self, nbytes: int) -> bytes:
-        """The next ``nbytes`` of the body (lengths, metadata, block headers)."""
-        data = bytearray(nbytes)
-        self.readinto(memoryview(data))
-        return bytes(data)
-
-    def readinto(self, view: memoryview) -> None:
-        """Fill ``view`` with the next bytes of the body, or raise."""
-        if view.nbytes > self.remaining:  # the frames say more than Content-Length
-            raise WireError(ErrorCode.MALFORMED_BODY, "body ended before its last block")
-        filled = 0
-        if self._pending.nbytes:
-            filled = min(view.nbytes, self._pending.nbytes)
-            view[:filled] = self._pending[:filled]
-            self._pending = self._pending[filled:]
-        while filled < view.nbytes:
-            filled += self._receive(view[filled:])
-        self.remaining -= view.nbytes
-
-    def skip(self, nbytes: int) -> None:
-        """Read and drop the next ``nbytes`` (the rest of a block found corrupt)."""
-        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-        while nbytes:
-            step = min(nbytes, scratch.nbytes)
-            self.readinto(scratch[:step])
-            nbytes -= step
 
     def _receive(self, view: memoryview) -> int:
         try:

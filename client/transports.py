@@ -16,7 +16,7 @@ from httpcore's in these ways:
   buffer's size on a Unix socket's ~200 KiB send buffer. (The write timeout
   then bounds each buffer h11 hands over, a body slice of at most 1 MiB,
   rather than each ``send``.)
-* A Unix socket gets a send buffer of ``UNIX_SEND_BUFFER_BYTES``: the default
+* A Unix socket gets a send buffer of ``wire.UNIX_SEND_BUFFER_BYTES``: the default
   (~208 KiB) holds a tenth of a 2 MiB block, so sender and receiver take
   turns instead of overlapping. A put of 128 MiB over a Unix socket went
   from ~2.0 to ~3.8 GB/s (bare aiohttp) and ~1.25 to ~3.2 GB/s (the daemon)
@@ -42,13 +42,14 @@ import httpcore
 import httpx
 from httpcore._backends.sync import SyncStream  # what SyncBackend itself returns
 
+from kvstore.wire import UNIX_SEND_BUFFER_BYTES
+
 # As httpcore spells it (setsockopt's argument forms).
 SocketOption = (
     tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 )
 
 READ_BYTES = 128 << 10
-UNIX_SEND_BUFFER_BYTES = 4 << 20
 _UNIX_SOCKET_OPTIONS: list[SocketOption] = [
     (socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
 ]

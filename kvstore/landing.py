@@ -116,7 +116,7 @@ class Landing:
             target = self._store.serving.dram_writable(offset, nbytes)
             target[:HEADER_BYTES] = header_bytes
             fill_verified(header_bytes, target[HEADER_BYTES:], fill)
-            self._check(key, header, target[HEADER_BYTES:])
+            check_received(header, self._namespace, key, target[HEADER_BYTES:])
             verified = True
         except (CorruptBlock, LayoutMismatch) as error:
             raise type(error)(f"block {index}: {error}") from None
@@ -154,9 +154,11 @@ class Landing:
         if landed:
             self._store.serving.unreserve_dram(landed)
 
-    def _check(self, key: ChunkKey, header: BlockHeader, payload: memoryview) -> None:
-        """What the daemon checks of every block besides its checksum (as for a block
-        admitted the usual way): key, namespace, layout, one chunk, a payload that
-        decodes."""
-        check_whole_chunk(header, self._namespace, key)
-        decode_payload(payload, header.dtype, header.codec, header.raw_len)
+
+def check_received(
+    header: BlockHeader, namespace: Namespace, key: ChunkKey, payload: memoryview
+) -> None:
+    """What the daemon checks of every block it receives besides its checksum, landed
+    or not: key, namespace, layout, one chunk, a payload that decodes."""
+    check_whole_chunk(header, namespace, key)
+    decode_payload(payload, header.dtype, header.codec, header.raw_len)

@@ -52,7 +52,13 @@ from kvstore.keys import KEY_BYTES, ChunkKey, HashAlgo, KVLayout, Namespace
 
 API_PREFIX = "/v1"
 FRAMES_CONTENT_TYPE = "application/x-kvstore-frames"
+# A frames body starts with the length of its JSON metadata: u32, little-endian.
 META_LENGTH = struct.Struct("<I")
+# The send buffer either end gives a Unix-socket connection before it sends KV (client
+# puts, daemon gets): the default, ~208 KiB, is a tenth of a 2 MiB block, so sender
+# and receiver would take turns. Linux caps it at net.core.wmem_max; TCP keeps its
+# autotuning, which setting a size would turn off.
+UNIX_SEND_BUFFER_BYTES = 4 << 20
 
 
 class ErrorCode(enum.Enum):

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from typing import Any
 
 import httpx
@@ -314,21 +313,12 @@ FOUR_CHUNKS = kv.chunks(4, seed=7)
 @pytest.fixture
 def four_blocks() -> Iterator[SharedArena]:
     """An arena of four blocks, the second and the fourth changed in shared memory."""
-    segment = shared_memory.SharedMemory(create=True, size=4 * SLOT)
-    try:
-        for index, (key, chunk) in enumerate(zip(FOUR_KEYS, FOUR_CHUNKS, strict=True)):
-            block = block_bytes(NS, key, chunk)
-            segment.buf[index * SLOT : index * SLOT + len(block)] = block
-        for index in (1, 3):
-            segment.buf[index * SLOT + 500] ^= 0x10
-        mapped = SharedArena(segment.name)
-        try:
-            yield mapped
-        finally:
-            mapped.close()
-    finally:
-        segment.close()
-        segment.unlink()
+    blocks = [
+        block_bytes(NS, key, chunk) for key, chunk in zip(FOUR_KEYS, FOUR_CHUNKS, strict=True)
+    ]
+    flips = [(1, 500, 0x10), (3, 500, 0x10)]
+    with mapped_blocks(blocks, slot=SLOT, size=4 * SLOT, flips=flips) as arena:
+        yield arena
 
 
 def four_entries() -> list[LeasedBlock]:

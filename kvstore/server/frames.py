@@ -33,14 +33,11 @@ from kvstore.serving import ServedGet
 from kvstore.store import TieredStore
 from kvstore.wire import (
     FRAMES_CONTENT_TYPE,
+    UNIX_SEND_BUFFER_BYTES,
     encode_frames,
 )
 
 WRITE_SLICE_BYTES = 256 << 10
-# A Unix socket's send buffer while a get streams (the default, ~208 KiB, is a
-# tenth of a 2 MiB block: the daemon and its reader would take turns); TCP
-# keeps its autotuning. The client's own sends do the same (client.transports).
-UNIX_SEND_BUFFER_BYTES = 4 << 20
 # Whether asyncio's transports buffer views of what they were given, not copies.
 _TRANSPORT_KEEPS_VIEWS = sys.version_info >= (3, 12)
 _FLUSH_POLL_S = 0.001

@@ -26,6 +26,7 @@ error rather than a connection reset; the connection then closes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,16 +36,14 @@ from aiohttp import web
 from kvstore.block import (
     HEADER_BYTES,
     Block,
-    check_identity,
     payload_view,
     stored_block,
     verify_block,
 )
-from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.events import MAX_SESSION_CHARS
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.landing import Landing
+from kvstore.landing import Landing, check_received
 from kvstore.placement import Reserved
 from kvstore.server.socket_body import SocketBody, borrow
 from kvstore.server.state import PREDICTOR, STATE, STORE
@@ -89,7 +88,7 @@ async def put(request: web.Request) -> web.Response:
     return web.json_response({"stored": stored})
 
 
-async def _to_the_end(receiving: Any) -> _PutBatch:
+async def _to_the_end(receiving: Awaitable[_PutBatch]) -> _PutBatch:
     """The worker's batch. Cancelled meanwhile, still wait for the worker before
     raising: it reads the borrowed socket, which must outlive it (it ends within
     a poll slice once aiohttp closes the connection)."""
@@ -160,14 +159,7 @@ def _receive_block(body: SocketBody, batch: _PutBatch, index: int, nbytes: int) 
     data[:HEADER_BYTES] = header_bytes
     body.readinto(data[HEADER_BYTES:])
     try:
-        header = verify_block(data)
-        check_identity(header, batch.namespace, key)
-        chunk_nbytes = batch.namespace.layout.chunk_nbytes
-        if header.raw_len != chunk_nbytes:
-            raise LayoutMismatch(
-                f"holds {header.raw_len} bytes of KV, the namespace's chunk is {chunk_nbytes}"
-            )
-        decode_payload(payload_view(data), header.dtype, header.codec, header.raw_len)
+        check_received(verify_block(data), batch.namespace, key, payload_view(data))
     except (CorruptBlock, LayoutMismatch) as error:
         raise type(error)(f"block {index}: {error}") from None
     return stored_block(data)

@@ -29,6 +29,7 @@ parsing here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import socket
@@ -38,6 +39,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
+from kvstore.body_reads import BodyReader
 from kvstore.wire import ErrorCode, WireError
 
 # Requests whose connection a handler borrowed: their responses close it.
@@ -48,7 +50,7 @@ _POLL_SLICE_S = 0.25
 _DISCARD_BYTES = 1 << 20
 
 
-class SocketBody:
+class SocketBody(BodyReader):
     """A body of ``length`` bytes, none read yet: what aiohttp had buffered, then the
     socket. Blocking; one worker thread at a time.
 
@@ -65,44 +67,20 @@ class SocketBody:
         idle_timeout_s: float,
         closed: Callable[[], bool],
     ) -> None:
+        super().__init__(buffered, length)
         self._sock = sock
-        self._buffered = memoryview(buffered)
-        self.remaining = length
         self._idle_timeout_s = idle_timeout_s
         self._closed = closed
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
 
-    def read_exact(self, nbytes: int) -> bytes:
-        """The next ``nbytes`` of the body (small reads: lengths, metadata, headers)."""
-        data = bytearray(nbytes)
-        self.readinto(memoryview(data))
-        return bytes(data)
-
-    def readinto(self, view: memoryview) -> None:
-        """Fill ``view`` with the next bytes of the body, or raise ``WireError`` (the
-        body is shorter, the client hung up or went quiet)."""
-        if view.nbytes > self.remaining:
-            raise WireError(ErrorCode.MALFORMED_BODY, "body ended before its last block")
-        filled = 0
-        if self._buffered.nbytes:
-            filled = min(view.nbytes, self._buffered.nbytes)
-            view[:filled] = self._buffered[:filled]
-            self._buffered = self._buffered[filled:]
-        while filled < view.nbytes:
-            filled += self._receive(view[filled:])
-        self.remaining -= view.nbytes
-
     def discard(self, deadline_s: float) -> None:
         """Read and drop the rest of the body for at most ``deadline_s`` seconds, so
         that a client still sending reads the error answer instead of a reset."""
-        scratch = memoryview(bytearray(min(_DISCARD_BYTES, max(self.remaining, 1))))
         until = time.monotonic() + deadline_s
-        try:
+        with contextlib.suppress(WireError):  # gone or quiet: nothing more to wait for
             while self.remaining and time.monotonic() < until:
-                self.readinto(scratch[: min(scratch.nbytes, self.remaining)])
-        except WireError:
-            pass  # gone or quiet: nothing more to wait for
+                self.skip(min(_DISCARD_BYTES, self.remaining))
 
     def _receive(self, view: memoryview) -> int:
         quiet_since = time.monotonic()

@@ -4,7 +4,7 @@ daemon (``test_client_protocol.py``, ``test_client_blocks.py``)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -61,14 +61,22 @@ def expected(index: int) -> bytes:
 
 
 @contextlib.contextmanager
-def mapped_blocks() -> Iterator[SharedArena]:
-    """``BLOCKS`` in a fresh shared-memory segment at 8 KiB slots, block 1 changed
-    there, mapped as a client maps the daemon's arena."""
-    segment = shared_memory.SharedMemory(create=True, size=64 << 10)
+def mapped_blocks(
+    blocks: Sequence[bytes] = BLOCKS,
+    *,
+    slot: int = 8192,
+    size: int = 64 << 10,
+    flips: Sequence[tuple[int, int, int]] = ((1, 200, 0x01),),
+) -> Iterator[SharedArena]:
+    """``blocks`` in a fresh ``size``-byte shared-memory segment at ``slot``-byte slots,
+    changed there by ``flips`` (block, byte in it, bit mask: by default block 1),
+    mapped as a client maps the daemon's arena."""
+    segment = shared_memory.SharedMemory(create=True, size=size)
     try:
-        for index, block in enumerate(BLOCKS):
-            segment.buf[index * 8192 : index * 8192 + len(block)] = block
-        segment.buf[8192 + 200] ^= 0x01  # block 1 changed in shared memory
+        for index, block in enumerate(blocks):
+            segment.buf[index * slot : index * slot + len(block)] = block
+        for index, offset, mask in flips:  # changed in shared memory
+            segment.buf[index * slot + offset] ^= mask
         mapped = SharedArena(segment.name)
         try:
             yield mapped
