@@ -45,7 +45,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -215,6 +215,9 @@ class ClientProtocol:
         self._lock = threading.Lock()
         self._stats = ClientStats()
         self._registered: frozenset[bytes] = frozenset()
+        # Whether the daemon seals this client's puts (it said so registering a
+        # namespace: only over its Unix socket); until it says, the client seals.
+        self._daemon_seals = False
         self._arena: SharedArena | None = None
         self._down_until = 0.0
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
@@ -269,9 +272,17 @@ class ClientProtocol:
             )
         if not kv_chunks:
             return 0
-        body = _put_body(namespace, keys, kv_chunks, session, self._verifier)
+        payloads = _put_payloads(namespace, kv_chunks)
+
+        def put_call() -> Call:
+            # Made after the namespace is registered: the answer says who seals.
+            body = PutBody(
+                namespace, keys, payloads, session, self._verifier, sealed=not self._daemon_seals
+            )
+            return _post("/put", body=body)
+
         try:
-            answer = yield from self._namespaced(namespace, lambda: _post("/put", body=body))
+            answer = yield from self._namespaced(namespace, put_call)
             return _field(answer, "stored", int)
         except TierUnavailable:
             with self._lock:
@@ -454,6 +465,7 @@ class ClientProtocol:
                 f"the daemon names namespace {namespace.model!r} {digest}, this client "
                 f"{namespace.digest.hex()}: are they different kvstore versions?"
             )
+        self._daemon_seals = answer.get("seals_puts") is True
         self._registered |= {namespace.digest}
 
     def _send(self, call: Call) -> Operation[Any]:
@@ -497,21 +509,13 @@ def _get_request(
     return request
 
 
-def _put_body(
-    namespace: Namespace,
-    keys: list[ChunkKey],
-    kv_chunks: Sequence[ChunkData | None],
-    session: str | None,
-    hasher: Executor,
-) -> PutBody:
-    """A put's frames body. Every chunk is validated (``chunk_bytes``) now, before
-    anything is sent; the payloads are views of the caller's data, not copies
-    (CPU tensors), hashed one block ahead of the sender on ``hasher``
-    (``client.put_body``)."""
-    payloads = [
-        None if chunk is None else chunk_bytes(chunk, namespace.layout) for chunk in kv_chunks
-    ]
-    return PutBody(namespace, keys, payloads, session, hasher)
+def _put_payloads(
+    namespace: Namespace, kv_chunks: Sequence[ChunkData | None]
+) -> list[memoryview | None]:
+    """A put's payloads, every chunk validated (``chunk_bytes``) now, before anything
+    is sent: views of the caller's data, not copies (CPU tensors), which
+    ``PutBody`` frames as it sends them."""
+    return [None if chunk is None else chunk_bytes(chunk, namespace.layout) for chunk in kv_chunks]
 
 
 def _checked(reply: Reply) -> Any:

@@ -16,6 +16,10 @@ while the client hashes block ``i + 1``; with a ``hasher`` thread, block
 the socket's send both release the GIL), so the hashing leaves the sender's
 critical path. A body is iterated again on a retry: headers already
 computed are reused.
+
+Unsealed (``sealed=False``: a daemon over its Unix socket offered to seal
+them, ``kvstore.server.put``), the blocks go with zero checksums: framing
+reads no payload, and no thread is needed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ BODY_SLICE_BYTES = 1 << 20
 
 class PutBody:
     """The frames body of a put of ``payloads`` (validated raw chunk bytes; ``None``:
-    absent) under ``keys``, chunk ``i``'s parent being key ``i - 1``."""
+    absent) under ``keys``, chunk ``i``'s parent being key ``i - 1``; ``sealed``:
+    each block with its checksum (else zero, for the daemon to compute)."""
 
     def __init__(
         self,
@@ -46,14 +51,17 @@ class PutBody:
         payloads: Sequence[memoryview | None],
         session: str | None,
         hasher: Executor | None = None,
+        *,
+        sealed: bool = True,
     ) -> None:
         self._namespace = namespace
-        self._hasher = hasher
+        self._sealed = sealed
+        self._hasher = hasher if sealed else None
         self._ahead: dict[int, Future[Block]] = {}
         self._keys = list(keys[: len(payloads)])
         self._payloads = list(payloads)
         self._blocks: list[Block | None] = [None] * len(payloads)
-        meta = {
+        meta: dict[str, object] = {
             "namespace": namespace.digest.hex(),
             "session": session,
             "blocks": [
@@ -61,6 +69,8 @@ class PutBody:
                 for key, data in zip(self._keys, self._payloads, strict=True)
             ],
         }
+        if not sealed:  # absent, as every daemon reads it: sealed
+            meta["sealed"] = False
         self._meta = [memoryview(piece) for piece in encode_frames(meta, ())]
         self.nbytes = sum(piece.nbytes for piece in self._meta) + sum(
             HEADER_BYTES + data.nbytes for data in self._payloads if data is not None
@@ -95,4 +105,4 @@ class PutBody:
         data = self._payloads[index]
         assert data is not None
         parent = self._keys[index - 1] if index else None
-        return encode_block(self._namespace, self._keys[index], parent, data)
+        return encode_block(self._namespace, self._keys[index], parent, data, sealed=self._sealed)

@@ -119,8 +119,11 @@ def encode_block(
     *,
     codec: Codec = Codec.NONE,
     raw_len: int | None = None,
+    sealed: bool = True,
 ) -> Block:
-    """Frame an (already codec-encoded) payload with its header and checksum."""
+    """Frame an (already codec-encoded) payload with its header and checksum
+    (``sealed=False``: with a zero checksum, for its receiver to seal; see
+    ``frame_block``)."""
     layout = namespace.layout
     return frame_block(
         BlockHeader(
@@ -137,14 +140,20 @@ def encode_block(
             payload_len=payload.nbytes,
         ),
         payload,
+        sealed=sealed,
     )
 
 
-def frame_block(header: BlockHeader, payload: memoryview) -> Block:
+def frame_block(header: BlockHeader, payload: memoryview, *, sealed: bool = True) -> Block:
     """Frame ``payload`` under ``header``'s identity; ``payload_len`` is taken from the payload.
 
     Used to re-frame a block whose codec changes between tiers without needing
     its ``Namespace`` object (the header carries everything).
+
+    ``sealed=False`` leaves the checksum zero and reads none of the payload: a
+    put over the daemon's Unix socket, where the bytes cannot change on the
+    way, is sealed by the daemon as it lands (``fill_sealed``), so the block
+    is checksummed once, not once per side.
     """
     if payload.format != "B" or payload.ndim != 1:
         payload = payload.cast("B")
@@ -164,10 +173,21 @@ def frame_block(header: BlockHeader, payload: memoryview) -> Block:
         payload.nbytes,
         0,
     )[:_CHECKSUM_OFFSET]
-    hasher = xxhash.xxh3_64(prefix)
-    hasher.update(payload)
-    checksum = hasher.intdigest().to_bytes(8, "little")
-    return Block(header=prefix + checksum + bytes(HEADER_BYTES - _HEADER.size), payload=payload)
+    checksum = 0
+    if sealed:
+        hasher = xxhash.xxh3_64(prefix)
+        hasher.update(payload)
+        checksum = hasher.intdigest()
+    return Block(header=_with_checksum(prefix, checksum), payload=payload)
+
+
+def _with_checksum(header: memoryview | bytes | bytearray, checksum: int) -> bytes:
+    """The header bytes ``header`` (at least its first ``_CHECKSUM_OFFSET``) with ``checksum``."""
+    return (
+        bytes(header[:_CHECKSUM_OFFSET])
+        + checksum.to_bytes(8, "little")
+        + bytes(HEADER_BYTES - _HEADER.size)
+    )
 
 
 def stored_block(data: memoryview | bytes | bytearray) -> Block:
@@ -305,6 +325,43 @@ def fill_verified(
     ``kvstore.server.socket_body``), or raise. As with ``copy_verified``, what
     is checksummed is what landed in ``destination``.
     """
+    header, hasher = _fill_hashing(header_bytes, destination, fill)
+    _compare_checksum(hasher, memoryview(header_bytes), header.key)
+    return header
+
+
+def fill_sealed(
+    header_bytes: memoryview | bytes | bytearray,
+    destination: memoryview | bytearray,
+    fill: Callable[[memoryview], None],
+) -> tuple[BlockHeader, bytes]:
+    """``fill_verified`` for an unsealed block (``frame_block(sealed=False)``): the
+    checksum is computed over what landed, in the same pass, and returned in a
+    copy of the header, which the caller stores in place of the one received."""
+    header, hasher = _fill_hashing(header_bytes, destination, fill)
+    return header, _with_checksum(header_bytes, hasher.intdigest())
+
+
+def seal_block(data: memoryview) -> None:
+    """Write the checksum of the unsealed block ``data`` (header and payload, writable)
+    into its header: what ``fill_sealed`` does for a block received some other way."""
+    header = parse_header(data)
+    if data.nbytes != HEADER_BYTES + header.payload_len:
+        raise CorruptBlock(
+            f"block is {data.nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
+        )
+    hasher = xxhash.xxh3_64(data[:_CHECKSUM_OFFSET])
+    hasher.update(data[HEADER_BYTES:])
+    data[:HEADER_BYTES] = _with_checksum(data, hasher.intdigest())
+
+
+def _fill_hashing(
+    header_bytes: memoryview | bytes | bytearray,
+    destination: memoryview | bytearray,
+    fill: Callable[[memoryview], None],
+) -> tuple[BlockHeader, xxhash.xxh3_64]:
+    """``fill`` the payload into ``destination`` a step at a time, hashing each step
+    (after the header's checksummed bytes) while it is still in cache."""
     header = parse_header(header_bytes)
     target = memoryview(destination).cast("B")
     if target.nbytes != header.payload_len:
@@ -314,8 +371,7 @@ def fill_verified(
         step = target[start : start + COPY_VERIFY_STEP]
         fill(step)
         hasher.update(step)
-    _compare_checksum(hasher, memoryview(header_bytes), header.key)
-    return header
+    return header, hasher
 
 
 def copy_unverified(

@@ -10,8 +10,9 @@ whole put verified.
                                                           │ receives it the usual way
                                                           ▼
          the payload is read from the socket into the extent (``fill``), each
-         step checksummed right after it landed (block.fill_verified): the
-         kernel's copy is the only copy
+         step checksummed right after it landed (block.fill_verified; or
+         block.fill_sealed, which writes the checksum of an unsealed block
+         into its header): the kernel's copy is the only copy
                                                           │
                       checksum, key, namespace, layout ok? ─no─► give the extent back, raise
                                                           │
@@ -48,6 +49,7 @@ from kvstore.block import (
     Block,
     BlockHeader,
     check_whole_chunk,
+    fill_sealed,
     fill_verified,
     parse_header,
 )
@@ -86,10 +88,14 @@ class Landing:
         header_bytes: bytes,
         nbytes: int,
         fill: Callable[[memoryview], None],
+        *,
+        sealed: bool = True,
     ) -> Reserved | None:
         """Land block ``index`` (``nbytes`` in all, header ``header_bytes``) in a
         reserved extent: ``fill`` writes its payload there step by step (a socket
-        read) and each step is checksummed as it lands. ``None`` if no extent was
+        read) and each step is checksummed as it lands, against the header's
+        checksum, or, ``sealed=False``, into it (``block.fill_sealed``: a put
+        over the Unix socket, which the daemon seals). ``None`` if no extent was
         to be had (nothing was read: the caller receives it the usual way).
         Raises ``CorruptBlock``/``LayoutMismatch`` for a bad block (its extent
         given back) and ``PutAborted`` once the put is over."""
@@ -115,7 +121,10 @@ class Landing:
         try:
             target = self._store.serving.dram_writable(offset, nbytes)
             target[:HEADER_BYTES] = header_bytes
-            fill_verified(header_bytes, target[HEADER_BYTES:], fill)
+            if sealed:
+                fill_verified(header_bytes, target[HEADER_BYTES:], fill)
+            else:
+                _, target[:HEADER_BYTES] = fill_sealed(header_bytes, target[HEADER_BYTES:], fill)
             check_received(header, self._namespace, key, target[HEADER_BYTES:])
             verified = True
         except (CorruptBlock, LayoutMismatch) as error:

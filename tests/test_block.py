@@ -23,10 +23,12 @@ from kvstore.block import (
     check_identity,
     copy_verified,
     encode_block,
+    fill_sealed,
     fill_verified,
     frame_block,
     parse_header,
     payload_view,
+    seal_block,
     stored_block,
     verify_block,
 )
@@ -325,6 +327,64 @@ def test_fill_verified_refuses_a_destination_of_another_size() -> None:
     data = stored(payload_bytes(STEPPED))
     with pytest.raises(CorruptBlock, match="payload is"):
         fill_verified(data[:HEADER_BYTES], bytearray(STEPPED - 1), kv.socket_reads(data, 100_000))
+
+
+def unsealed(payload: bytes) -> bytes:
+    return encode_block(NS, KEYS[1], KEYS[0], memoryview(payload), sealed=False).to_bytes()
+
+
+def test_an_unsealed_block_has_a_zero_checksum_and_fails_verification() -> None:
+    raw = payload_bytes()
+    data = unsealed(raw)
+    assert data[CHECKSUM_END - 8 : CHECKSUM_END] == bytes(8)
+    assert data[: CHECKSUM_END - 8] == stored(raw)[: CHECKSUM_END - 8]  # the same identity
+    with pytest.raises(CorruptBlock, match="checksum"):
+        verify_block(data)
+
+
+@pytest.mark.parametrize("cut", [1, 777, COPY_VERIFY_STEP + 3, STEPPED])
+def test_fill_sealed_returns_the_header_a_sealed_block_would_carry(cut: int) -> None:
+    raw = payload_bytes(STEPPED if cut > 1 else 3000)
+    data = unsealed(raw)
+    destination = bytearray(len(raw))
+    header, sealed_header = fill_sealed(
+        data[:HEADER_BYTES], destination, kv.socket_reads(data[HEADER_BYTES:], cut)
+    )
+    assert sealed_header == stored(raw)[:HEADER_BYTES]
+    assert bytes(destination) == raw and header == verify_block(sealed_header + raw)
+
+
+def test_fill_sealed_seals_what_landed_not_what_was_sent() -> None:
+    """A checksum is of the bytes in the destination: a step changed after it was
+    read would be sealed as changed, so only a reader's checksum can catch rot later."""
+    raw = payload_bytes(STEPPED)
+    data = unsealed(raw)
+    destination = bytearray(STEPPED)
+    reads = kv.socket_reads(_flip(data, (HEADER_BYTES + 10) * 8)[HEADER_BYTES:], 100_000)
+    _, sealed_header = fill_sealed(data[:HEADER_BYTES], destination, reads)
+    assert sealed_header != stored(raw)[:HEADER_BYTES]
+    verify_block(sealed_header + bytes(destination))
+
+
+def test_fill_sealed_refuses_a_destination_of_another_size() -> None:
+    data = unsealed(payload_bytes(STEPPED))
+    with pytest.raises(CorruptBlock, match="payload is"):
+        fill_sealed(data[:HEADER_BYTES], bytearray(STEPPED + 1), kv.socket_reads(data, 100_000))
+
+
+def test_seal_block_writes_the_checksum_in_place() -> None:
+    raw = payload_bytes()
+    data = bytearray(unsealed(raw))
+    seal_block(memoryview(data))
+    assert bytes(data) == stored(raw)
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_seal_block_refuses_a_block_of_another_length(extra: int) -> None:
+    data = unsealed(payload_bytes())
+    data = data[:extra] if extra < 0 else data + bytes(extra)
+    with pytest.raises(CorruptBlock, match="header says"):
+        seal_block(memoryview(bytearray(data)))
 
 
 @pytest.mark.parametrize("size", [STEPPED - 1, STEPPED + 1])

@@ -471,3 +471,33 @@ def test_a_put_body_frames_each_block_once_and_skips_absent_chunks() -> None:
     }
     assert first == b"".join(bytes(p) for p in encode_frames(meta, stored))
     assert int(call.headers["Content-Length"]) == len(first)
+
+
+@pytest.mark.parametrize("offered", [True, False])
+def test_puts_go_unsealed_only_to_a_daemon_that_offered_to_seal_them(offered: bool) -> None:
+    """A daemon answering a registration over its Unix socket says it seals puts
+    (``seals_puts``); this client's puts then carry zero checksums and say so."""
+    chunks = kv.chunks(2)
+    operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, chunks, None)
+    next(operation)  # registers the namespace
+    answer = {"namespace": NS.digest.hex(), **({"seals_puts": True} if offered else {})}
+    call = operation.send(ok(answer))
+    assert call.body is not None
+    blocks = [
+        encode_block(
+            NS,
+            KEYS[i],
+            KEYS[i - 1] if i else None,
+            chunk_bytes(chunks[i], kv.LAYOUT),
+            sealed=not offered,
+        ).to_bytes()
+        for i in (0, 1)
+    ]
+    meta: dict[str, Any] = {
+        "namespace": NS.digest.hex(),
+        "session": None,
+        "blocks": [{"key": KEYS[i].hex(), "length": len(blocks[i])} for i in (0, 1)],
+    }
+    if offered:
+        meta["sealed"] = False
+    assert b"".join(call.body) == b"".join(bytes(p) for p in encode_frames(meta, blocks))

@@ -1,17 +1,19 @@
 """A put's body read straight off the connection (kvstore/server/socket_body.py), against
 a real daemon: the connection closes after every put and clients reconnect; a client
 that hangs up or goes quiet mid-body, or a daemon stopped under a stalled put, leaves
-nothing behind; and an error found early is read by a client still sending."""
+nothing behind; an error found early is read by a client still sending; and unsealed
+puts are sealed by the daemon, over its Unix socket only."""
 
 from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 from support import http_kv
 from support.daemon import Daemon
 from support.http_kv import error_code, frames_body, lookup, make_chain, put_raw, register
@@ -19,8 +21,8 @@ from support.http_kv import error_code, frames_body, lookup, make_chain, put_raw
 import kvstore
 from kvstore.block import encode_block
 from kvstore.client import StoreClient
-from kvstore.keys import KVLayout, Namespace, chunk_keys
-from kvstore.wire import FRAMES_CONTENT_TYPE
+from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.wire import FRAMES_CONTENT_TYPE, namespace_to_json
 
 # 1 MiB chunks: a 48-block body is more than loopback TCP buffers (~36 MiB at most).
 MIB_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", chunk_tokens=64)
@@ -142,3 +144,85 @@ def test_sigterm_with_a_stalled_put_stops_within_the_drain_deadline(
         started = time.monotonic()
         assert instance.stop() == 0
         assert time.monotonic() - started < 5.0
+
+
+# -- unsealed puts: sealed by the daemon, over the Unix socket only -----------------
+
+SSD_ONLY = """\
+data_dir = "{data_dir}"
+
+[tiers.ssd]
+capacity = "64MiB"
+"""
+
+
+def _unsealed_body(
+    namespace: Namespace,
+    chain: http_kv.Chain,
+    keys: Sequence[ChunkKey] | None = None,
+    **meta: object,
+) -> bytes:
+    """``chain``'s blocks with zero checksums, under ``"sealed": false`` (or ``meta``),
+    named in the metadata by ``keys`` (``chain.keys`` unless given)."""
+    blocks = [
+        encode_block(
+            namespace, key, chain.keys[i - 1] if i else None, memoryview(payload), sealed=False
+        ).to_bytes()
+        for i, (key, payload) in enumerate(
+            zip(chain.keys, http_kv.payloads(chain.blocks), strict=True)
+        )
+    ]
+    named = chain.keys if keys is None else keys
+    return frames_body(namespace, named, blocks, fields={"sealed": False, **meta})
+
+
+def test_only_a_unix_socket_client_is_offered_sealing(daemon: Daemon) -> None:
+    ns = http_kv.namespace_for("offered-sealing")
+    with daemon.client() as client:
+        answer = client.post("/v1/namespaces", json=namespace_to_json(ns)).json()
+        assert answer == {"namespace": ns.digest.hex(), "seals_puts": True}
+    with daemon.tcp_client() as client:
+        answer = client.post("/v1/namespaces", json=namespace_to_json(ns)).json()
+        assert answer == {"namespace": ns.digest.hex()}
+
+
+@pytest.mark.parametrize("config", [None, SSD_ONLY], ids=["landed-in-dram", "no-dram"])
+def test_an_unsealed_put_over_the_unix_socket_is_stored_sealed(
+    daemon_factory: Callable[..., Daemon], config: str | None
+) -> None:
+    """Landed in DRAM or (no DRAM tier) received into memory, each block is stored
+    with the checksum a sealing client would have sent, and reads back verified."""
+    instance = daemon_factory(config, tcp=True)
+    ns = http_kv.namespace_for("unsealed")
+    chain = make_chain(ns, 3)
+    with instance.client() as client:
+        register(client, ns)
+        response = put_raw(client, _unsealed_body(ns, chain))
+        assert response.status_code == 200 and response.json() == {"stored": 3}
+    with instance.tcp_client() as client:
+        _, blocks = http_kv.get_bytes(client, ns, chain.keys)  # every checksum verified
+    assert blocks == chain.blocks  # byte for byte what the client would have sealed
+
+
+def test_unsealed_blocks_are_refused_over_tcp_and_change_nothing(daemon: Daemon) -> None:
+    ns = http_kv.namespace_for("unsealed-tcp")
+    chain = make_chain(ns, 2)
+    with daemon.tcp_client() as client:
+        register(client, ns)
+        response = put_raw(client, _unsealed_body(ns, chain))
+        assert response.status_code == 400 and error_code(response) == "bad_request"
+        assert "Unix socket" in response.json()["error"]["message"]
+        assert lookup(client, ns, chain.keys)["num_chunks"] == 0
+
+
+def test_an_unsealed_put_is_checked_as_a_sealed_one_is(
+    daemon: Daemon, client: httpx.Client, ns: Namespace
+) -> None:
+    """Sealing replaces only the checksum comparison: a block under another key is
+    still refused, a bad ``sealed`` value too, and neither stores anything."""
+    chain = make_chain(ns, 2)
+    response = put_raw(client, _unsealed_body(ns, chain, keys=chain.keys[::-1]))
+    assert response.status_code == 422 and error_code(response) == "corrupt_block"
+    response = put_raw(client, _unsealed_body(ns, chain, sealed="no"))
+    assert response.status_code == 400 and error_code(response) == "bad_request"
+    assert lookup(client, ns, chain.keys)["num_chunks"] == 0

@@ -39,10 +39,11 @@ from kvstore.events import MAX_SESSION_CHARS
 from kvstore.keys import ChunkKey
 from kvstore.predictor.service import PredictorService
 from kvstore.server.config import DaemonConfig
+from kvstore.server.connection import is_local
 from kvstore.server.events import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
-from kvstore.server.routes import add_routes, is_local
+from kvstore.server.routes import add_routes
 from kvstore.server.socket_body import close_borrowed
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE, DaemonState
 from kvstore.store import TieredStore

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from kvstore.block import HEADER_BYTES
 from kvstore.reader import VERIFY_WINDOW_BYTES
+from kvstore.server.connection import connection_socket
 from kvstore.serving import ServedGet
 from kvstore.store import TieredStore
 from kvstore.wire import (
@@ -87,8 +88,7 @@ async def send_served(
 def widen_send_buffer(request: web.Request) -> None:
     """Give a Unix-socket connection ``UNIX_SEND_BUFFER_BYTES`` of send buffer before
     a large response (Linux caps it at ``net.core.wmem_max``)."""
-    transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    sock = connection_socket(request)
     if sock is not None and sock.family == socket.AF_UNIX:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
 

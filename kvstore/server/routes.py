@@ -15,7 +15,6 @@ ends.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from aiohttp import web
 
 from kvstore.events import parse_event
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.server.connection import is_local
 from kvstore.server.frames import send_served
 from kvstore.server.leases import Lease, LeaseTable
 from kvstore.server.put import put
@@ -52,13 +52,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(f"{API_PREFIX}/events", post_event)
 
 
-def is_local(request: web.Request) -> bool:
-    """Whether the request came over the Unix socket (the same host, the same user)."""
-    transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    return sock is not None and sock.family == socket.AF_UNIX
-
-
 # -- control routes ----------------------------------------------------------------
 
 
@@ -73,7 +66,10 @@ async def register_namespace(request: web.Request) -> web.Response:
             ErrorCode.REQUEST_TOO_LARGE, f"{len(known)} namespaces registered; the limit is {limit}"
         )
     await asyncio.to_thread(store.register, namespace)
-    return web.json_response({"namespace": namespace.digest.hex()})
+    answer: dict[str, Any] = {"namespace": namespace.digest.hex()}
+    if is_local(request):  # this client may leave its puts to be sealed here (kvstore.server.put)
+        answer["seals_puts"] = True
+    return web.json_response(answer)
 
 
 async def lookup(request: web.Request) -> web.Response:

@@ -40,6 +40,7 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 
 from kvstore.body_reads import BodyReader
+from kvstore.server.connection import connection_socket
 from kvstore.wire import ErrorCode, WireError
 
 # Requests whose connection a handler borrowed: their responses close it.
@@ -119,7 +120,7 @@ async def borrow(request: web.Request, idle_timeout_s: float) -> AsyncIterator[S
     transport = request.transport
     if length is None or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
         raise WireError(ErrorCode.LENGTH_REQUIRED, "a put body needs a Content-Length")
-    raw = transport.get_extra_info("socket") if transport is not None else None
+    raw = connection_socket(request)
     if transport is None or raw is None:
         raise WireError(ErrorCode.UNAVAILABLE, "the connection is gone")
     request[BORROWED] = True

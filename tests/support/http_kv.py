@@ -8,7 +8,7 @@ so they speak it by hand.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,9 @@ def make_chain(namespace: Namespace, n_chunks: int, *, start: int = 0, seed: int
 def register(client: httpx.Client, namespace: Namespace) -> None:
     response = client.post("/v1/namespaces", json=namespace_to_json(namespace))
     assert response.status_code == 200, response.text
-    assert response.json() == {"namespace": namespace.digest.hex()}
+    answer = response.json()
+    assert answer["namespace"] == namespace.digest.hex()
+    assert set(answer) <= {"namespace", "seals_puts"}
 
 
 def frames_body(
@@ -64,11 +66,14 @@ def frames_body(
     keys: Sequence[ChunkKey],
     blocks: Sequence[bytes | None],
     session: str | None = None,
+    fields: Mapping[str, object] | None = None,
 ) -> bytes:
+    """A put's frames body; ``fields``: more metadata (``{"sealed": False}``)."""
     meta = {
         "namespace": namespace.digest.hex(),
         "session": session,
         "blocks": block_entries(keys, blocks),
+        **(fields or {}),
     }
     present = [block for block in blocks if block is not None]
     return b"".join(bytes(piece) for piece in encode_frames(meta, present))
