@@ -7,6 +7,7 @@ uvicorn keeps ``Config`` apart from ``Server``). A TOML file looks like::
 
     [tiers.dram]
     capacity = "4GiB"
+    prefault = true                  # commit the arena's pages at startup (background)
 
     [tiers.ssd]                      # LMDB
     path = "~/.cache/kvstore/lmdb"
@@ -95,6 +96,8 @@ class TierConfig:
     kind: TierKind
     capacity_bytes: int
     codec: str = "none"
+    # dram: populate the arena's pages at startup, in the background (tiers.prefault)
+    prefault: bool = False
     # hbm
     device: str = "cuda"
     # ssd (LMDB)
@@ -323,6 +326,11 @@ def _tier_from_mapping(name: str, spec: Mapping[str, Any], data_dir: Path) -> Ti
     unknown = set(spec) - allowed
     if unknown:
         raise ConfigError(f"unknown setting(s) for tier {name!r}: {sorted(unknown)}")
+    switches = {f.name for f in dataclasses.fields(TierConfig) if isinstance(f.default, bool)}
+    for setting in switches & set(spec):
+        if not isinstance(spec[setting], bool) and spec[setting] not in (0, 1):  # 1: from env
+            raise ConfigError(f"tier {name!r}: {setting} must be true or false")
+        spec[setting] = bool(spec[setting])
     values.update(spec)
     if kind is TierKind.REDIS and not (values.get("url") or values.get("nodes")):
         raise ConfigError("the redis tier needs a url or cluster nodes")

@@ -32,6 +32,7 @@ device = "cpu"
 [tiers.dram]
 capacity = "4GiB"
 codec = "none"
+prefault = true
 
 [tiers.ssd]
 path = "{path}"
@@ -163,7 +164,7 @@ def test_toml_with_every_tier_kind(tmp_path: Path) -> None:
     assert [tier.kind for tier in config.tiers] == list(TierKind)
     hbm, dram, ssd, redis = config.tiers
     assert hbm == TierConfig(TierKind.HBM, 2 * GiB, device="cpu")
-    assert dram == TierConfig(TierKind.DRAM, 4 * GiB, codec="none")
+    assert dram == TierConfig(TierKind.DRAM, 4 * GiB, codec="none", prefault=True)
     assert ssd == TierConfig(
         TierKind.SSD,
         64 * GiB,
@@ -182,6 +183,12 @@ def test_toml_with_every_tier_kind(tmp_path: Path) -> None:
         socket_timeout_s=0.25,
     )
     assert config.tier(TierKind.SSD) is ssd
+
+
+def test_a_tier_switch_must_be_a_boolean(tmp_path: Path) -> None:
+    text = '[tiers.dram]\ncapacity = "1MiB"\nprefault = "yes"\n'
+    with pytest.raises(ConfigError, match="prefault must be true or false"):
+        StoreConfig.from_toml(write(tmp_path, text))
 
 
 def test_toml_tiers_get_default_capacities(tmp_path: Path) -> None:

@@ -251,6 +251,29 @@ def test_stats_and_metrics(client: httpx.Client, ns: Namespace) -> None:
     assert ("/v1/put", "200") in routes and ("/v1/get", "200") in routes
 
 
+PREFAULTED = """\
+data_dir = "{data_dir}"
+
+[tiers.dram]
+capacity = "32MiB"
+prefault = true
+"""
+
+
+def test_stats_say_how_far_a_prefaulted_arena_is_populated(
+    daemon_factory: Callable[..., Daemon], daemon: Daemon
+) -> None:
+    with daemon.client() as client:  # not asked for: not reported
+        assert "dram_prefault" not in client.get("/v1/stats").json()["daemon"]
+    with daemon_factory(PREFAULTED).client() as client:
+        deadline = time.monotonic() + 30
+        while not (progress := client.get("/v1/stats").json()["daemon"]["dram_prefault"])["done"]:
+            assert time.monotonic() < deadline, progress
+            time.sleep(0.05)
+    # The segment: 32 MiB of blocks and a generation counter per page.
+    assert progress["populated_bytes"] == (32 << 20) + 8 * ((32 << 20) // 4096)
+
+
 def test_unknown_routes_and_methods_answer_json(client: httpx.Client) -> None:
     missing = client.get("/v1/nothing-here")
     assert missing.status_code == 404 and error_code(missing) == "not_found"

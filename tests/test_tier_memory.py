@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import secrets
 import sys
 import threading
@@ -327,6 +328,48 @@ def test_dram_shm_name_can_be_chosen() -> None:
         tier.close()
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=name)
+
+
+def _resident_bytes(name: str) -> int:
+    """Bytes of pages the kernel holds for segment ``name`` (tmpfs allocates on fault)."""
+    return os.stat(f"/dev/shm/{name}").st_blocks * 512
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm and madvise: Linux")
+def test_a_prefaulted_arena_is_populated_in_the_background_without_touching_blocks() -> None:
+    capacity = 64 << 20
+    tier = DRAMTier(capacity, prefault=True)
+    try:
+        prefault = tier.arena.prefault
+        assert prefault is not None
+        block = make_block(KEYS[0], seed=0)
+        tier.put_many(NS.digest, [(KEYS[0], block)])  # while the pages are being populated
+        assert prefault.wait(30)
+        assert prefault.populated_bytes == tier.arena.nbytes
+        assert _resident_bytes(tier.arena.name) >= tier.arena.nbytes
+        stored = tier.get_many(NS.digest, [KEYS[0]])[0]
+        assert stored is not None and bytes(stored) == block.to_bytes()
+    finally:
+        tier.close()
+
+
+def test_an_arena_is_populated_only_when_asked() -> None:
+    tier = DRAMTier(64 << 20)
+    try:
+        assert tier.arena.prefault is None
+        assert _resident_bytes(tier.arena.name) < 64 << 20
+    finally:
+        tier.close()
+
+
+def test_closing_a_prefaulting_arena_stops_its_thread_first() -> None:
+    tier = DRAMTier(1 << 30, prefault=True)
+    prefault = tier.arena.prefault
+    assert prefault is not None
+    tier.close()
+    assert prefault.done  # stopped between two steps, before the segment was unmapped
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=tier.arena.name)
 
 
 def test_dram_segment_is_unlinked_when_the_tier_is_collected() -> None:

@@ -32,17 +32,31 @@ import numpy as np
 from kvstore.arena import PAGE_BYTES
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.base import TierKind
+from kvstore.tiers.prefault import Prefault
 
 
 class SharedMemoryArena:
     """A named shared-memory segment viewed as a flat uint8 array."""
 
-    def __init__(self, nbytes: int, *, name: str | None = None, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        name: str | None = None,
+        pin: bool | None = None,
+        prefault: bool = False,
+    ) -> None:
         self.name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
         self.nbytes = nbytes
         self._array: np.ndarray = np.ndarray((nbytes,), dtype=np.uint8, buffer=self._shm.buf)
         self.pinned = _pin_host_memory(self._array) if pin is not False else False
+        # Pinning populated every page already.
+        self.prefault = (
+            Prefault(self._array.ctypes.data, nbytes, self.name)
+            if prefault and not self.pinned and nbytes
+            else None
+        )
         # Unlink the segment even if close() is never called (a crashed test, a
         # forgotten store); otherwise it outlives the process in /dev/shm.
         self._finalizer = weakref.finalize(self, _release_segment, self._shm)
@@ -72,6 +86,8 @@ class SharedMemoryArena:
         return self._array[offset : offset + nbytes].data
 
     def close(self) -> None:
+        if self.prefault is not None:  # before the memory it populates goes away
+            self.prefault.stop()
         if self.pinned:
             _unpin_host_memory(self._array)
             self.pinned = False
@@ -107,10 +123,14 @@ def _unpin_host_memory(array: np.ndarray) -> None:
 class DRAMTier(ArenaTier):
     """Host-memory tier over a shared-memory arena (pinned when CUDA is present)."""
 
-    def __init__(self, capacity_bytes: int, *, shm_name: str | None = None) -> None:
+    def __init__(
+        self, capacity_bytes: int, *, shm_name: str | None = None, prefault: bool = False
+    ) -> None:
+        """``prefault``: populate the arena's pages in the background now rather than
+        by the first puts (``tiers.prefault``)."""
         capacity = capacity_bytes - capacity_bytes % PAGE_BYTES
         pages = capacity // PAGE_BYTES
-        self.arena = SharedMemoryArena(capacity + 8 * pages, name=shm_name)
+        self.arena = SharedMemoryArena(capacity + 8 * pages, name=shm_name, prefault=prefault)
         # Where the generation counters start in the segment (clients read them there).
         self.generations_offset = capacity
         generations = self.arena.array(capacity, pages, np.uint64)

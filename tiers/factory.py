@@ -16,7 +16,7 @@ def open_tier(config: TierConfig) -> Tier:
     if config.kind is TierKind.DRAM:
         from kvstore.tiers.dram import DRAMTier
 
-        return DRAMTier(config.capacity_bytes)
+        return DRAMTier(config.capacity_bytes, prefault=config.prefault)
     if config.kind is TierKind.SSD:
         from kvstore.tiers.lmdb_tier import LMDBTier
 

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -48,6 +49,7 @@ from kvstore.server.socket_body import close_borrowed
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE, DaemonState
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierKind
+from kvstore.tiers.dram import DRAMTier
 from kvstore.wire import ERRORS, ErrorCode, error_body, error_code_of
 
 log = logging.getLogger("kvstore.server")
@@ -279,9 +281,20 @@ async def stats(request: web.Request) -> web.Response:
                 "listening": state.listening,
                 "shared_memory": store.serving.shared_memory_name,
                 "draining": state.draining,
+                **_prefault_stats(store),
             },
         }
     )
+
+
+def _prefault_stats(store: TieredStore) -> dict[str, Any]:
+    """How far the DRAM arena's pages are populated (``tiers.prefault``), if they are
+    being populated at all: an operator sees why the daemon's memory grows at start."""
+    dram = store.tier(TierKind.DRAM) if TierKind.DRAM in store.tier_kinds else None
+    prefault = dram.arena.prefault if isinstance(dram, DRAMTier) else None
+    if prefault is None:
+        return {}
+    return {"dram_prefault": {"populated_bytes": prefault.populated_bytes, "done": prefault.done}}
 
 
 async def session_info(request: web.Request) -> web.Response:
