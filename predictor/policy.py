@@ -32,6 +32,14 @@ forecast, a tool result on its way), the chain is promoted ahead of the
 return: a prefetch. ``on_resume`` prefetches too: a request-began event means
 the lookup is next. ``prefetches`` counts what became of them.
 
+A prefetch reads the chain from a slower tier (LMDB, Redis: milliseconds per
+MiB), and the hooks run under the store's lock. With ``defer_prefetches`` a
+hook only plans it (``PlannedPrefetch``); the caller takes the plans
+(``take_prefetches``) and runs each after letting go of the lock
+(``prefetch``), so the read holds up no other request: the store takes its
+lock only to admit what was read. The daemon defers; the replay, one thread
+with nobody to hold up, runs each plan at once, in the hook.
+
 Eviction by predicted reuse. Each block belongs to the last session that
 touched it. ``victims(tier)`` ranks sessions by the chance that they are back
 while a block kept in that tier would stay there (the tier's measured mean
@@ -109,6 +117,19 @@ class _Session:
     score: dict[TierKind, tuple[float, float]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PlannedPrefetch:
+    """A prefetch a hook decided on: promote ``keys`` (the cached head of a session's
+    chain) to tier ``to``; ``sources`` are the keys held only slower than ``to``
+    when it was planned, with their fastest tier; ``planned_at`` the hook's ``now``."""
+
+    namespace: Namespace
+    keys: tuple[ChunkKey, ...]
+    to: TierKind
+    sources: tuple[tuple[ChunkKey, TierKind], ...]
+    planned_at: float
+
+
 # One session's place in a tier's eviction order: (p within horizon, p at all, recency).
 
 
@@ -121,8 +142,12 @@ _UNKNOWN: tuple[float, float] = (0.0, 0.0)
 class PlacementPolicy:
     """Idle placement and eviction by forecast return; see the module docstring."""
 
-    def __init__(self, config: PlacementConfig | None = None) -> None:
+    def __init__(
+        self, config: PlacementConfig | None = None, *, defer_prefetches: bool = False
+    ) -> None:
         self.config = config if config is not None else PlacementConfig()
+        self.defer_prefetches = defer_prefetches
+        self._planned: list[PlannedPrefetch] = []
         self.prefetches = PrefetchStats()
         self.gaps = GapShape()
         self.demoted = 0  # chunks moved down by idle placement (not by pressure)
@@ -401,8 +426,22 @@ class PlacementPolicy:
         finally:
             self._moving = set()
 
+    def take_prefetches(self) -> list[PlannedPrefetch]:
+        """The prefetches planned since the last call (``defer_prefetches``), in order.
+        Under the store's lock, as every hook."""
+        planned, self._planned = self._planned, []
+        return planned
+
+    def prefetch(self, store: TieredStore, plan: PlannedPrefetch) -> None:
+        """Run a planned prefetch. Called without the store's lock (it is taken here to
+        count what landed), so the read from the slower tier holds up nobody."""
+        store.promote(plan.namespace, list(plan.keys), to=plan.to)
+        with store.locked():
+            self._landed(store, plan)
+
     def _prefetch(self, store: TieredStore, session: _Session, to: TierKind) -> None:
-        """Promote the chunks of the session's chain held slower than ``to`` up to ``to``."""
+        """Promote the chunks of the session's chain held slower than ``to`` up to ``to``:
+        at once, or, ``defer_prefetches``, once the caller has let go of the lock."""
         state = session.state
         if state is None:
             return
@@ -413,26 +452,31 @@ class PlacementPolicy:
         # tier: a longer one would only push itself, and everyone else, out again. All
         # of it goes to ``promote``, so the part already in ``to`` is protected too.
         head: list[ChunkKey] = []
-        slower: list[ChunkKey] = []
+        slower: list[tuple[ChunkKey, TierKind]] = []
         for key in state.chain[: self._slots(store, to) // 2]:
             fastest = self._fastest(key)
             if fastest is None:
                 break
             head.append(key)
             if fastest > to:
-                slower.append(key)
+                slower.append((key, fastest))
         if not slower:
             return
-        sources = [(key, self._fastest(key)) for key in slower]
+        plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now)
+        if self.defer_prefetches:
+            self._planned.append(plan)
+            return
         store.promote(namespace, head, to=to)
-        landed = self._tiers[to].owner
-        copies: list[tuple[ChunkKey, TierKind]] = []
-        for key, source in sources:
-            if key in landed and source is not None:
-                self._prefetched[to].add(key)
-                self.prefetches.issued += 1
-                copies.append((key, source))
-        self.prefetches.transfer(copies, self._now, _chunk_seconds(store, namespace))
+        self._landed(store, plan)
+
+    def _landed(self, store: TieredStore, plan: PlannedPrefetch) -> None:
+        """Count the chunks of ``plan`` that arrived in its tier as issued prefetches."""
+        landed = self._tiers[plan.to].owner
+        copies = [(key, source) for key, source in plan.sources if key in landed]
+        for key, _ in copies:
+            self._prefetched[plan.to].add(key)
+        self.prefetches.issued += len(copies)
+        self.prefetches.transfer(copies, plan.planned_at, _chunk_seconds(store, plan.namespace))
 
     def _slots(self, store: TieredStore, kind: TierKind) -> int:
         """About how many blocks tier ``kind`` holds when full (from its mean block size)."""

@@ -16,6 +16,11 @@ Why a queue: a placement moves KV between tiers (a demotion writes a chain to
 LMDB), and an engine that reports a finished request must not wait for that.
 Events are advisory, so a full queue drops rather than blocks.
 
+The hooks run under the store's lock; the prefetches they plan run after it
+is let go (``PlacementPolicy.defer_prefetches``), so reading a chain back
+from LMDB or Redis holds up no request: the store locks only to admit it.
+Demotions still write under the lock, as the store's own evictions do.
+
 The clock. Every time the predictor reads is an event's time (Unix seconds,
 sent by the client) or the event clock: the latest event time seen, advanced
 by the daemon's monotonic clock since. With clients on the daemon's clock the
@@ -50,7 +55,7 @@ from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.features import feature_names
 from kvstore.predictor.model import REHEARSAL, ReturnModel
 from kvstore.predictor.online import OnlineLearner
-from kvstore.predictor.policy import PlacementPolicy
+from kvstore.predictor.policy import PlacementPolicy, PlannedPrefetch
 from kvstore.predictor.quality import PrequentialScores
 from kvstore.predictor.sessions import SessionTracker
 from kvstore.store import TieredStore
@@ -137,7 +142,8 @@ class PredictorService:
         model, self.source = load_model(config, self.path)
         self.scores = PrequentialScores()
         self.learner = OnlineLearner(model, SessionTracker(), self.scores, learn_at_horizon=True)
-        self.policy = PlacementPolicy()
+        # Prefetches run after the store's lock is let go (``_prefetch``).
+        self.policy = PlacementPolicy(defer_prefetches=True)
         self.processed = 0
         self.dropped = 0
         self.failed = 0
@@ -244,6 +250,8 @@ class PredictorService:
                 try:
                     with driver.store.locked():
                         self._apply(driver, event)
+                        planned = self.policy.take_prefetches()
+                    self._prefetch(driver, planned)
                     self.processed += 1
                 except Exception:  # a background task: log, count, carry on serving
                     self.failed += 1
@@ -252,10 +260,17 @@ class PredictorService:
                 try:
                     with driver.store.locked():
                         driver.tick(tick)
+                        planned = self.policy.take_prefetches()
+                    self._prefetch(driver, planned)
                     self._forget_idle(driver, tick)
                 except Exception:  # as above: the next tick tries again
                     self.failed += 1
                     log.exception("predictor: the tick at %.3f failed", tick)
+
+    def _prefetch(self, driver: SessionDriver, planned: list[PlannedPrefetch]) -> None:
+        """Run the prefetches the hooks planned, in order, without the store's lock."""
+        for plan in planned:
+            self.policy.prefetch(driver.store, plan)
 
     def _apply(self, driver: SessionDriver, event: SessionEvent) -> None:
         keys, namespace = event.keys, event.namespace

@@ -147,6 +147,28 @@ def test_a_resume_prefetches_the_chain_before_its_lookup(three_tiers: Sessions) 
     assert (run.policy.prefetches.used, run.policy.prefetches.wasted) == (3, 0)
 
 
+def test_a_deferred_prefetch_moves_nothing_until_its_plan_is_run(tmp_path: Path) -> None:
+    """The daemon's mode: the hook, under the store's lock, only plans; the chain moves
+    and counts as prefetched when the caller runs the plan, after letting go."""
+    policy = PlacementPolicy(
+        PlacementConfig(check_min_s=10.0, check_fraction=0.0), defer_prefetches=True
+    )
+    run = opened(policy, kv.hbm(8), kv.dram(8), kv.ssd(tmp_path / "lmdb"))
+    with run.store:
+        run.busy(5)
+        state = run.request("a", 0, 3, now=0.0)
+        policy.on_idle(run.store, state, forecast("a", 1.0, 0.05, 0.2, 0.4), 1.0)
+        assert run.where(0, 3) == [DRAM] * 3
+        with run.store.locked():
+            policy.on_resume(run.store, state, 500.0)
+            (plan,) = policy.take_prefetches()
+        assert policy.take_prefetches() == []
+        assert run.where(0, 3) == [DRAM] * 3 and policy.prefetches.issued == 0
+        assert (plan.keys, plan.to, plan.planned_at) == (tuple(run.keys(0, 3)), HBM, 500.0)
+        policy.prefetch(run.store, plan)
+        assert run.where(0, 3) == [HBM] * 3 and policy.prefetches.issued == 3
+
+
 def test_a_rising_probability_prefetches_ahead_of_the_return(three_tiers: Sessions) -> None:
     run = three_tiers
     run.busy(5)

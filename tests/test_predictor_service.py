@@ -6,6 +6,7 @@ tests (test_server_predictor.py) cover the same paths over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -90,17 +91,26 @@ async def feed(service: PredictorService, events: list[SessionEvent]) -> None:
     raise AssertionError(f"processed {service.processed} of {target} events")
 
 
-def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
+def busy_and_idle(
     tmp_path: Path, make_store: Callable[[PredictorService], TieredStore], ns: Namespace
-) -> None:
+) -> tuple[PredictorService, TieredStore, list[ChunkKey], list[ChunkKey]]:
+    """A pessimist's service and its store, DRAM full with the chains of sessions "busy"
+    (12 chunks) and "idle" (8, the latest put of "idle", as the put route records)."""
     config = PredictorConfig(weights=pessimist(tmp_path / "pessimist.pt"), tick_s=0.05)
     service = PredictorService(config, tmp_path)
     store = make_store(service)
     busy = chunk_keys(ns, kv.tokens(12, 0))
     idle = chunk_keys(ns, kv.tokens(8, 50_000))
     store.put(ns, busy, kv.chunks(12), session="busy")
-    store.put(ns, idle, kv.chunks(8, seed=1), session="idle")  # DRAM is now full
-    service.saw_put("idle", ns.digest, tuple(idle))  # as the put route does
+    store.put(ns, idle, kv.chunks(8, seed=1), session="idle")
+    service.saw_put("idle", ns.digest, tuple(idle))
+    return service, store, busy, idle
+
+
+def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
+    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore], ns: Namespace
+) -> None:
+    service, store, busy, idle = busy_and_idle(tmp_path, make_store, ns)
 
     async def scenario() -> None:
         async with running(service):
@@ -124,6 +134,50 @@ def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
     assert snapshot["prefetches"] == {"issued": 8, "used": 8, "wasted": 0, "pending": 0}
     assert snapshot["events_processed"] == 4 and snapshot["events_failed"] == 0
     assert (tmp_path / MODEL_FILE).exists()  # saved at shutdown
+
+
+def test_a_prefetch_reads_its_chain_without_holding_the_store_lock(
+    tmp_path: Path,
+    make_store: Callable[[PredictorService], TieredStore],
+    ns: Namespace,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading a chain back from LMDB takes milliseconds per MiB: while a resume's
+    prefetch does it, another thread can still take the store's lock (a get, a put)."""
+    service, store, _, idle = busy_and_idle(tmp_path, make_store, ns)
+    others_got_the_lock: list[bool] = []
+    others: list[threading.Thread] = []
+    promote = store.promote
+
+    def observed(namespace: Namespace, keys: list[ChunkKey], to: TierKind | None = None) -> int:
+        taken = threading.Event()
+
+        def other_request() -> None:
+            with store.locked():
+                taken.set()
+
+        other = threading.Thread(target=other_request)
+        other.start()
+        others.append(other)  # joined at the end: it waits while the lock is held here
+        others_got_the_lock.append(taken.wait(2))
+        return promote(namespace, keys, to=to)
+
+    monkeypatch.setattr(store, "promote", observed)
+
+    async def scenario() -> None:
+        async with running(service):
+            await feed(
+                service, [started("busy", T0), started("idle", T0), finished("idle", T0 + 5)]
+            )
+            assert store.locate(ns, idle) == [TierKind.SSD] * 8
+            await feed(service, [started("idle", T0 + 100)])
+            assert store.locate(ns, idle) == [TierKind.DRAM] * 8
+
+    asyncio.run(scenario())
+    for other in others:
+        other.join()
+    assert others_got_the_lock == [True]
+    assert service.snapshot()["prefetches"]["issued"] == 8
 
 
 def test_labels_are_learnt_when_returns_and_horizons_reveal_them(
