@@ -26,6 +26,8 @@ class BlockMeta:
     differ per tier). ``pins`` counts reads in progress plus explicit pins; a
     pinned block is never an eviction victim. ``session`` is the last session
     that wrote the chunk, for placement policies that reason about sessions.
+    ``deleted``: a delete came while it was pinned; it goes when the last pin
+    does (``Placement.unpin``), not under a reader copying it out.
     """
 
     namespace: bytes
@@ -33,6 +35,7 @@ class BlockMeta:
     sizes: dict[TierKind, int] = field(default_factory=dict)
     pins: int = 0
     session: str | None = None
+    deleted: bool = False
 
     @property
     def fastest(self) -> TierKind | None:
@@ -110,11 +113,17 @@ class BlockIndex:
                 pinned.append(key)
         return pinned
 
-    def unpin(self, keys: Iterable[ChunkKey]) -> None:
+    def unpin(self, keys: Iterable[ChunkKey]) -> list[tuple[bytes, ChunkKey]]:
+        """Unpin ``keys``; return (namespace, key) of those now unpinned that a delete
+        was waiting for (``BlockMeta.deleted``)."""
+        released = []
         for key in keys:
             meta = self._entries.get(key)
             if meta is not None and meta.pins > 0:
                 meta.pins -= 1
+                if meta.deleted and not meta.pins:
+                    released.append((meta.namespace, key))
+        return released
 
     def held_by(self, kind: TierKind) -> list[tuple[bytes, ChunkKey]]:
         """(namespace, key) of every block ``kind`` holds, as a snapshot."""

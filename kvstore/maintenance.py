@@ -148,7 +148,7 @@ class Maintenance:
                     bad.append((namespace, key))
         finally:
             with self._lock:
-                self._index.unpin(pinned)
+                self._placement.unpin(pinned)
                 self._stats.tier(tier.kind).corrupt_blocks += len(bad)
                 for namespace, key in bad:
                     self._placement.forget(tier.kind, namespace, key)

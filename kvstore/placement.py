@@ -316,6 +316,22 @@ class Placement:
             self._policy.on_remove(kind, key)
         return deleted
 
+    def forget_everywhere(self, namespace: bytes, key: ChunkKey) -> bool:
+        """Delete every copy of ``key`` (and any a shared tier may hold without this
+        index knowing); whether any tier held one."""
+        meta = self._index.get(key)
+        held = set(meta.sizes) if meta is not None else set()
+        found = bool(held)
+        for kind in self.order:
+            if kind in held or kind.shared:
+                found = self.forget(kind, namespace, key) > 0 or found
+        return found
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Unpin ``keys``, deleting those a delete was waiting on (``TieredStore.delete``)."""
+        for namespace, key in self._index.unpin(keys):
+            self.forget_everywhere(namespace, key)
+
     def touch(self, keys: Sequence[ChunkKey], session: str | None = None) -> None:
         """Tell the policy a chain was used, per tier holding it, head first."""
         for kind, chain in self._index.by_tier(keys).items():

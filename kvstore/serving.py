@@ -168,7 +168,7 @@ class SharedServing:
     def release_served(self, served: ServedGet) -> None:
         """Unpin what ``serve`` pinned, and count the get and its misses."""
         with self._store._lock:
-            self._store._index.unpin(served.pinned)
+            self._store._placement.unpin(served.pinned)
             served.pinned = []
             self._store._stats.gets += 1
             self._store._stats.get_misses += served.lengths.count(None) + served.lost

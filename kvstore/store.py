@@ -260,8 +260,13 @@ class TieredStore:
 
     def _needs_storing(self, namespace: Namespace, key: ChunkKey) -> bool:
         """Whether a put writes ``key``: it is not held, or held only in tiers that
-        reload slower than recomputing. Lock held."""
+        reload slower than recomputing. Lock held.
+
+        A delete waiting on the key's pins (``delete``) is called off: the put
+        wants the block kept, and the copy held is the same content."""
         meta = self._index.get(key)
+        if meta is not None:
+            meta.deleted = False
         fastest = meta.fastest if meta is not None else None
         if fastest is None:
             return True
@@ -361,7 +366,7 @@ class TieredStore:
                 self._read_from(kind, namespace, keys, results, payloads)
         finally:
             with self._lock:
-                self._index.unpin(pinned)
+                self._placement.unpin(pinned)
         return results
 
     def _read_from(
@@ -485,21 +490,26 @@ class TieredStore:
 
     def unpin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
-            self._index.unpin(keys)
+            self._placement.unpin(keys)
 
     def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
-        """Remove keys from every tier; returns how many were held anywhere."""
+        """Remove keys from every tier; returns how many were held anywhere.
+
+        A pinned key (a read in progress, a shared-memory lease) is deleted when
+        its last pin goes, so no reader's bytes are freed and reused under it;
+        until then it stays readable, which serves nothing stale: a key names
+        its content.
+        """
         deleted = 0
         with self._lock:
             self._check_open()
             for key in keys:
                 meta = self._index.get(key)
-                held = set(meta.sizes) if meta is not None else set()
-                found = bool(held)
-                for kind in self._placement.order:
-                    if kind in held or kind.shared:
-                        found = self._placement.forget(kind, namespace.digest, key) > 0 or found
-                deleted += found
+                if meta is not None and meta.pins:
+                    meta.deleted = True
+                    deleted += 1
+                    continue
+                deleted += self._placement.forget_everywhere(namespace.digest, key)
         return deleted
 
     def scrub(self, batch: int = 64) -> int:

@@ -118,6 +118,51 @@ def test_shm_get_maps_the_arena_read_only(client: httpx.Client, ns: Namespace) -
     assert again.status_code == 404 and error_code(again) == "unknown_lease"
 
 
+SMALL_DRAM = """\
+data_dir = "{data_dir}"
+
+[tiers.dram]
+capacity = "256KiB"
+
+[tiers.ssd]
+capacity = "64MiB"
+"""
+
+
+def test_a_delete_waits_for_the_lease_on_its_blocks(daemon_factory: Callable[..., Daemon]) -> None:
+    """A leased block deleted, then its DRAM space wanted by puts: the extent the
+    client may still be copying from is neither freed nor rewritten until the lease
+    goes; then the block is gone."""
+    instance = daemon_factory(SMALL_DRAM)
+    ns = http_kv.namespace_for("delete-under-lease")
+    chain = make_chain(ns, 2, seed=7)
+    with instance.client() as client:
+        register(client, ns)
+        put(client, chain)
+        body = {"namespace": ns.digest.hex(), "keys": chain.hex_keys, "transfer": "shm"}
+        grant = client.post("/v1/get", json=body).json()
+        deleted = client.post(
+            "/v1/delete", json={"namespace": ns.digest.hex(), "keys": chain.hex_keys}
+        )
+        assert deleted.json() == {"deleted": 2}
+        for start in range(10_000, 10_000 + 64 * 16 * 4, 64 * 16):  # 4 x 16 chunks: DRAM is 64
+            put(client, make_chain(ns, 16, start=start, seed=start))
+        fd = os.open(Path("/dev/shm") / grant["shm"], os.O_RDONLY)
+        try:
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapping:
+                for entry, sent in zip(grant["blocks"], chain.blocks, strict=True):
+                    at = entry["generation_at"]
+                    assert entry["generation"] == int.from_bytes(
+                        mapping[at : at + 8], sys.byteorder
+                    )
+                    assert mapping[entry["offset"] : entry["offset"] + entry["length"]] == sent
+        finally:
+            os.close(fd)
+        assert lookup(client, ns, chain.keys)["num_chunks"] == 2  # readable meanwhile
+        assert client.post(f"/v1/leases/{grant['lease']}/release").json() == {"released": 2}
+        assert lookup(client, ns, chain.keys)["num_chunks"] == 0
+
+
 def test_a_get_gives_back_the_leases_it_names(client: httpx.Client, ns: Namespace) -> None:
     """``release`` in a get's body unpins those leases first (unknown ids skipped: one
     expired, or released already), whichever transfer the get asks for."""

@@ -24,6 +24,7 @@ from kvstore import (
     external_keys,
 )
 from kvstore.config import StoreConfig
+from kvstore.tiers.dram import DRAMTier
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
 
@@ -188,6 +189,45 @@ def test_explicit_demote_promote_pin(tmp_path: Path) -> None:
         assert store.demote(ns, keys[:1]) == 0
         store.unpin(ns, keys[:1])
         assert store.demote(ns, keys[:1]) == 1
+        assert_chunks_equal(store, ns, keys, data)
+
+
+def test_a_pinned_block_is_deleted_when_its_last_pin_goes(tmp_path: Path) -> None:
+    """A reader copying a block out of shared memory holds a pin: a delete meanwhile
+    must not free the extent under it (a put would reuse it), so it waits."""
+    with TieredStore(kv.config(kv.dram(4), kv.ssd(tmp_path / "lmdb"))) as store:
+        ns = kv.namespace()
+        data = kv.chunks(2)
+        store.put(ns, kv.tokens(2), data)
+        store.demote(ns, store.keys_for(ns, kv.tokens(2))[1:], to=SSD)
+        keys = store.keys_for(ns, kv.tokens(2))
+        (shared,) = store.serving.share(ns, keys[:1])  # pinned, as a lease pins it
+        assert shared is not None
+        store.pin(ns, keys[:1])  # and a second reader
+        assert store.delete(ns, keys) == 2
+        assert store.locate(ns, keys) == [DRAM, None]  # the unpinned one went at once
+        store.put(ns, kv.tokens(4, start=90_000), kv.chunks(4, seed=5))  # fills DRAM
+        dram = store.tier(DRAM)
+        assert isinstance(dram, DRAMTier)
+        generation = dram.arena.array(dram.generation_offset(shared.offset), 1, np.uint64)
+        assert generation[0] == shared.generation  # never freed, so never reused
+        store.unpin(ns, keys[:1])
+        assert store.locate(ns, keys[:1]) == [DRAM]  # one reader left
+        store.unpin(ns, keys[:1])
+        assert store.locate(ns, keys[:1]) == [None]
+        assert store.get(ns, keys[:1]) == [None]
+
+
+def test_a_put_calls_off_a_delete_waiting_on_pins(tmp_path: Path) -> None:
+    with TieredStore(kv.config(kv.dram(4), kv.ssd(tmp_path / "lmdb"))) as store:
+        ns = kv.namespace()
+        data = kv.chunks(1)
+        store.put(ns, kv.tokens(1), data)
+        keys = store.keys_for(ns, kv.tokens(1))
+        store.pin(ns, keys)
+        assert store.delete(ns, keys) == 1
+        assert store.put(ns, kv.tokens(1), data) == 0  # held: nothing to write
+        store.unpin(ns, keys)
         assert_chunks_equal(store, ns, keys, data)
 
 
