@@ -121,8 +121,14 @@ def format_stats(data: dict[str, Any]) -> str:
         f"  leases {daemon.get('leases_outstanding', 0)}"
         f" ({daemon.get('leased_blocks', 0)} blocks)",
         "listening: " + ", ".join(daemon.get("listening", [])),
-        "",
     ]
+    prefault = daemon.get("dram_prefault")
+    if prefault:
+        state = "done" if prefault.get("done") else "in progress"
+        lines.append(
+            f"DRAM arena prefault: {_bytes(prefault.get('populated_bytes', 0))} populated ({state})"
+        )
+    lines.append("")
     columns = [
         ("tier", None),
         ("blocks", "blocks"),

@@ -317,6 +317,8 @@ def test_stats_say_how_far_a_prefaulted_arena_is_populated(
             time.sleep(0.05)
     # The segment: 32 MiB of blocks and a generation counter per page.
     assert progress["populated_bytes"] == (32 << 20) + 8 * ((32 << 20) // 4096)
+    table = cli.format_stats({"daemon": {"dram_prefault": progress}})
+    assert "DRAM arena prefault: 32.1 MiB populated (done)" in table
 
 
 def test_unknown_routes_and_methods_answer_json(client: httpx.Client) -> None:
