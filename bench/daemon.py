@@ -420,8 +420,9 @@ NOTES = [
     "Daemon: python -m kvstore serve, DRAM 1.5 GiB (prefault = true, populated before "
     "anything is timed) + LMDB (every chunk is served from DRAM), its own process; client, "
     "daemon and bare app share the machine's CPUs.",
-    "Unix puts go unsealed: the daemon checksums each block as it lands (one pass in all); "
-    "TCP puts are checksummed by the client and verified by the daemon.",
+    "Checksums of puts: over the Unix socket the daemon computes them as blocks land "
+    "(seal 'daemon'); over TCP the client hashes each slice just before sending it and "
+    "sends the checksum after the payload (seal 'trailer'), which the daemon verifies.",
     "shm ceiling: np.copyto of the payloads (written into their source array first, not "
     "read from never-written zero pages) into preallocated, touched buffers, one thread (the "
     "same for get and get_into); the client pays a lease round trip, copies with a helper "

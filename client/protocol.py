@@ -76,7 +76,7 @@ from kvstore.errors import (
 from kvstore.events import SessionEvent
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.stats import StoreStats, TierCounters
-from kvstore.wire import API_PREFIX, FRAMES_CONTENT_TYPE, namespace_to_json
+from kvstore.wire import API_PREFIX, FRAMES_CONTENT_TYPE, Seal, namespace_to_json
 
 T = TypeVar("T")
 
@@ -215,9 +215,9 @@ class ClientProtocol:
         self._lock = threading.Lock()
         self._stats = ClientStats()
         self._registered: frozenset[bytes] = frozenset()
-        # Whether the daemon seals this client's puts (it said so registering a
-        # namespace: only over its Unix socket); until it says, the client seals.
-        self._daemon_seals = False
+        # How this client's puts carry their checksums: the best the daemon listed
+        # registering a namespace (``put_seals``), in the header until it says.
+        self._seal = Seal.HEADER
         self._arena: SharedArena | None = None
         self._down_until = 0.0
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
@@ -276,9 +276,7 @@ class ClientProtocol:
 
         def put_call() -> Call:
             # Made after the namespace is registered: the answer says who seals.
-            body = PutBody(
-                namespace, keys, payloads, session, self._verifier, sealed=not self._daemon_seals
-            )
+            body = PutBody(namespace, keys, payloads, session, seal=self._seal)
             return _post("/put", body=body)
 
         try:
@@ -465,7 +463,7 @@ class ClientProtocol:
                 f"the daemon names namespace {namespace.model!r} {digest}, this client "
                 f"{namespace.digest.hex()}: are they different kvstore versions?"
             )
-        self._daemon_seals = answer.get("seals_puts") is True
+        self._seal = _best_seal(answer.get("put_seals"))
         self._registered |= {namespace.digest}
 
     def _send(self, call: Call) -> Operation[Any]:
@@ -507,6 +505,13 @@ def _get_request(
     if release:  # only ever ids of a daemon that offered it: no field for any other
         request["release"] = release
     return request
+
+
+def _best_seal(offered: Any) -> Seal:
+    """The cheapest way to seal puts among those a daemon offers (``put_seals``):
+    by the daemon, then trailing checksums, else (an older daemon) in the header."""
+    names = offered if isinstance(offered, list) else []
+    return next((seal for seal in (Seal.DAEMON, Seal.TRAILER) if seal.value in names), Seal.HEADER)
 
 
 def _put_payloads(

@@ -44,6 +44,7 @@ HEADER_BYTES = 128
 _HEADER = struct.Struct("<4sHBB16s16s16sIIIIQQQ")
 _CHECKSUM_OFFSET = 88
 assert _HEADER.size == _CHECKSUM_OFFSET + 8
+TRAILER_BYTES = 8  # a checksum sent after its payload (``checksum_trailer``)
 
 DTYPE_CODES: dict[str, int] = {
     "float32": 1,
@@ -150,10 +151,10 @@ def frame_block(header: BlockHeader, payload: memoryview, *, sealed: bool = True
     Used to re-frame a block whose codec changes between tiers without needing
     its ``Namespace`` object (the header carries everything).
 
-    ``sealed=False`` leaves the checksum zero and reads none of the payload: a
-    put over the daemon's Unix socket, where the bytes cannot change on the
-    way, is sealed by the daemon as it lands (``fill_sealed``), so the block
-    is checksummed once, not once per side.
+    ``sealed=False`` leaves the checksum zero and reads none of the payload, for
+    a block whose checksum is made elsewhere (``kvstore.wire.Seal``: hashed slice
+    by slice as it is sent, or by the daemon as it lands), so that framing does
+    not read every payload once more.
     """
     if payload.format != "B" or payload.ndim != 1:
         payload = payload.cast("B")
@@ -181,11 +182,30 @@ def frame_block(header: BlockHeader, payload: memoryview, *, sealed: bool = True
     return Block(header=_with_checksum(prefix, checksum), payload=payload)
 
 
+def payload_hasher(header_bytes: memoryview | bytes | bytearray) -> xxhash.xxh3_64:
+    """A hasher fed the header bytes a block's checksum covers; feed it the payload,
+    in as many pieces as you like, and its digest is the block's checksum."""
+    return xxhash.xxh3_64(memoryview(header_bytes)[:_CHECKSUM_OFFSET])
+
+
+def checksum_trailer(hasher: xxhash.xxh3_64) -> bytes:
+    """A checksum as it follows a payload on the wire (a put with trailing checksums,
+    ``kvstore.wire.Seal.TRAILER``): ``TRAILER_BYTES``, little-endian, as in a header."""
+    return hasher.intdigest().to_bytes(TRAILER_BYTES, "little")
+
+
+def check_trailer(sealed_header: bytes, trailer: bytes, key: ChunkKey) -> None:
+    """Refuse a block whose trailing checksum differs from the one computed over what
+    landed (``sealed_header``, from ``fill_sealed`` or ``seal_block``)."""
+    if sealed_header[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + TRAILER_BYTES] != trailer:
+        raise CorruptBlock(f"checksum mismatch for block {key.hex()}")
+
+
 def _with_checksum(header: memoryview | bytes | bytearray, checksum: int) -> bytes:
     """The header bytes ``header`` (at least its first ``_CHECKSUM_OFFSET``) with ``checksum``."""
     return (
         bytes(header[:_CHECKSUM_OFFSET])
-        + checksum.to_bytes(8, "little")
+        + checksum.to_bytes(TRAILER_BYTES, "little")
         + bytes(HEADER_BYTES - _HEADER.size)
     )
 
@@ -307,7 +327,7 @@ def copy_verified(
         raise CorruptBlock(
             f"payload is {memoryview(source).nbytes} bytes, header says {header.payload_len}"
         )
-    hasher = xxhash.xxh3_64(memoryview(header_bytes)[:_CHECKSUM_OFFSET])
+    hasher = payload_hasher(header_bytes)
     _copy_hashing(source, target, hasher)
     _compare_checksum(hasher, memoryview(header_bytes), header.key)
     return header
@@ -350,7 +370,7 @@ def seal_block(data: memoryview) -> None:
         raise CorruptBlock(
             f"block is {data.nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
         )
-    hasher = xxhash.xxh3_64(data[:_CHECKSUM_OFFSET])
+    hasher = payload_hasher(data)
     hasher.update(data[HEADER_BYTES:])
     data[:HEADER_BYTES] = _with_checksum(data, hasher.intdigest())
 
@@ -366,7 +386,7 @@ def _fill_hashing(
     target = memoryview(destination).cast("B")
     if target.nbytes != header.payload_len:
         raise CorruptBlock(f"payload is {target.nbytes} bytes, header says {header.payload_len}")
-    hasher = xxhash.xxh3_64(memoryview(header_bytes)[:_CHECKSUM_OFFSET])
+    hasher = payload_hasher(header_bytes)
     for start in range(0, target.nbytes, COPY_VERIFY_STEP):
         step = target[start : start + COPY_VERIFY_STEP]
         fill(step)
@@ -416,7 +436,7 @@ def _copy_hashing(
 
 
 def _check_checksum(header: memoryview, payload: memoryview, key: ChunkKey) -> None:
-    hasher = xxhash.xxh3_64(header[:_CHECKSUM_OFFSET])
+    hasher = payload_hasher(header)
     hasher.update(payload)
     _compare_checksum(hasher, header, key)
 

@@ -11,8 +11,9 @@ whole put verified.
                                                           ▼
          the payload is read from the socket into the extent (``fill``), each
          step checksummed right after it landed (block.fill_verified; or
-         block.fill_sealed, which writes the checksum of an unsealed block
-         into its header): the kernel's copy is the only copy
+         block.fill_sealed, which computes the checksum of a block sent
+         without one in its header: kvstore.wire.Seal): the kernel's copy is
+         the only copy
                                                           │
                       checksum, key, namespace, layout ok? ─no─► give the extent back, raise
                                                           │
@@ -48,6 +49,7 @@ from kvstore.block import (
     HEADER_BYTES,
     Block,
     BlockHeader,
+    check_trailer,
     check_whole_chunk,
     fill_sealed,
     fill_verified,
@@ -58,6 +60,7 @@ from kvstore.errors import CorruptBlock, KVStoreError, LayoutMismatch
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.placement import Reserved
 from kvstore.store import TieredStore
+from kvstore.wire import Seal
 
 
 class PutAborted(KVStoreError):
@@ -89,13 +92,15 @@ class Landing:
         nbytes: int,
         fill: Callable[[memoryview], None],
         *,
-        sealed: bool = True,
+        seal: Seal = Seal.HEADER,
+        read_trailer: Callable[[], bytes] | None = None,
     ) -> Reserved | None:
         """Land block ``index`` (``nbytes`` in all, header ``header_bytes``) in a
         reserved extent: ``fill`` writes its payload there step by step (a socket
         read) and each step is checksummed as it lands, against the header's
-        checksum, or, ``sealed=False``, into it (``block.fill_sealed``: a put
-        over the Unix socket, which the daemon seals). ``None`` if no extent was
+        checksum; with another ``seal``, into the header stored
+        (``block.fill_sealed``), against the checksum ``read_trailer`` reads after
+        the payload for ``Seal.TRAILER``. ``None`` if no extent was
         to be had (nothing was read: the caller receives it the usual way).
         Raises ``CorruptBlock``/``LayoutMismatch`` for a bad block (its extent
         given back) and ``PutAborted`` once the put is over."""
@@ -121,10 +126,14 @@ class Landing:
         try:
             target = self._store.serving.dram_writable(offset, nbytes)
             target[:HEADER_BYTES] = header_bytes
-            if sealed:
+            if seal is Seal.HEADER:
                 fill_verified(header_bytes, target[HEADER_BYTES:], fill)
             else:
-                _, target[:HEADER_BYTES] = fill_sealed(header_bytes, target[HEADER_BYTES:], fill)
+                _, sealed = fill_sealed(header_bytes, target[HEADER_BYTES:], fill)
+                if seal is Seal.TRAILER:
+                    assert read_trailer is not None, "a trailer-sealed block has a trailer"
+                    check_trailer(sealed, read_trailer(), key)
+                target[:HEADER_BYTES] = sealed
             check_received(header, self._namespace, key, target[HEADER_BYTES:])
             verified = True
         except (CorruptBlock, LayoutMismatch) as error:

@@ -95,6 +95,26 @@ ERRORS: dict[ErrorCode, tuple[int, type[KVStoreError]]] = {
 }
 
 
+class Seal(enum.Enum):
+    """Who checksums a put's blocks, and where the checksum travels (the put
+    metadata's ``"seal"``; a registration answer's ``"put_seals"`` lists those a
+    daemon takes on that connection).
+
+    ``HEADER`` (the default): in each block's header, as stored. ``TRAILER``: the
+    header's checksum is zero and the checksum follows the payload
+    (``block.TRAILER_BYTES``), so a sender hashes each slice just before sending
+    it, while it is in cache, instead of reading every payload once more
+    beforehand; the daemon verifies it as strictly. ``DAEMON``: zero checksums and
+    no trailer; the daemon computes them as the blocks land. Only on the Unix
+    socket, a kernel copy on one host, where a checksum on each side guards
+    nothing.
+    """
+
+    HEADER = "header"
+    TRAILER = "trailer"
+    DAEMON = "daemon"
+
+
 class WireError(KVStoreError):
     """A request or response that breaks the wire format; carries its error code."""
 

@@ -17,16 +17,20 @@ from kvstore.block import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,
+    TRAILER_BYTES,
     Block,
     BlockHeader,
     Codec,
     check_identity,
+    check_trailer,
+    checksum_trailer,
     copy_verified,
     encode_block,
     fill_sealed,
     fill_verified,
     frame_block,
     parse_header,
+    payload_hasher,
     payload_view,
     seal_block,
     stored_block,
@@ -370,6 +374,23 @@ def test_fill_sealed_refuses_a_destination_of_another_size() -> None:
     data = unsealed(payload_bytes(STEPPED))
     with pytest.raises(CorruptBlock, match="payload is"):
         fill_sealed(data[:HEADER_BYTES], bytearray(STEPPED + 1), kv.socket_reads(data, 100_000))
+
+
+def test_a_trailer_is_the_checksum_a_header_would_carry() -> None:
+    """Hashed slice by slice after an unsealed header, a payload's trailer is the
+    sealed header's checksum, and ``check_trailer`` compares exactly that."""
+    raw = payload_bytes(STEPPED)
+    header = unsealed(raw)[:HEADER_BYTES]
+    hasher = payload_hasher(header)
+    for start in range(0, len(raw), 100_000):
+        hasher.update(raw[start : start + 100_000])
+    trailer = checksum_trailer(hasher)
+    sealed = stored(raw)[:HEADER_BYTES]
+    assert len(trailer) == TRAILER_BYTES and trailer == sealed[CHECKSUM_END - 8 : CHECKSUM_END]
+    check_trailer(sealed, trailer, KEYS[1])
+    for bit in range(TRAILER_BYTES * 8):
+        with pytest.raises(CorruptBlock, match="checksum"):
+            check_trailer(sealed, _flip(trailer, bit), KEYS[1])
 
 
 def test_seal_block_writes_the_checksum_in_place() -> None:

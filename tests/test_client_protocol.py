@@ -38,7 +38,7 @@ from kvstore import (
     TierUnavailable,
     chunk_keys,
 )
-from kvstore.block import encode_block
+from kvstore.block import HEADER_BYTES, encode_block
 from kvstore.chunk import chunk_bytes
 from kvstore.client import AsyncStoreClient, ClientStats, StoreClient, aio, sync
 from kvstore.client.address import TOKEN_ENV, Address, Scheme, bearer_token
@@ -446,14 +446,14 @@ def test_no_daemon_at_all_is_a_degraded_answer_and_leaks_no_socket(
     asyncio.run(run())
 
 
-def test_a_put_body_frames_each_block_once_and_skips_absent_chunks() -> None:
+def test_a_put_body_skips_absent_chunks_and_is_the_same_when_sent_again() -> None:
     chunks = kv.chunks(3)
     operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, [None, *chunks[1:]], None)
     next(operation)  # registers the namespace
     call = operation.send(ok({"namespace": NS.digest.hex()}))
     assert call.body is not None
-    cut_off = iter(call.body)  # a send that failed after the first block's header,
-    for _ in range(3):  # with the next block being framed ahead on the hasher thread
+    cut_off = iter(call.body)  # a send that failed after the first block's header
+    for _ in range(3):
         next(cut_off)
     first = b"".join(call.body)
     assert b"".join(call.body) == first  # sent again (a retry): the same bytes
@@ -473,31 +473,42 @@ def test_a_put_body_frames_each_block_once_and_skips_absent_chunks() -> None:
     assert int(call.headers["Content-Length"]) == len(first)
 
 
-@pytest.mark.parametrize("offered", [True, False])
-def test_puts_go_unsealed_only_to_a_daemon_that_offered_to_seal_them(offered: bool) -> None:
-    """A daemon answering a registration over its Unix socket says it seals puts
-    (``seals_puts``); this client's puts then carry zero checksums and say so."""
+@pytest.mark.parametrize(
+    ("offered", "seal"),
+    [
+        (["header", "trailer", "daemon"], "daemon"),  # the Unix socket
+        (["header", "trailer"], "trailer"),  # TCP
+        (None, "header"),  # an older daemon offers nothing
+    ],
+)
+def test_puts_seal_the_cheapest_way_the_daemon_offers(offered: list[str] | None, seal: str) -> None:
+    """A registration answer lists how the daemon takes puts on that connection
+    (``put_seals``); the client's put bodies then follow the cheapest."""
     chunks = kv.chunks(2)
     operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, chunks, None)
     next(operation)  # registers the namespace
-    answer = {"namespace": NS.digest.hex(), **({"seals_puts": True} if offered else {})}
+    answer = {"namespace": NS.digest.hex(), **({"put_seals": offered} if offered else {})}
     call = operation.send(ok(answer))
     assert call.body is not None
-    blocks = [
-        encode_block(
-            NS,
-            KEYS[i],
-            KEYS[i - 1] if i else None,
-            chunk_bytes(chunks[i], kv.LAYOUT),
-            sealed=not offered,
-        ).to_bytes()
-        for i in (0, 1)
-    ]
+    pieces: list[bytes] = []
+    for i in (0, 1):
+        data = chunk_bytes(chunks[i], kv.LAYOUT)
+        sealed = encode_block(NS, KEYS[i], KEYS[i - 1] if i else None, data)
+        if seal == "header":
+            pieces.append(sealed.to_bytes())
+            continue
+        unsealed = encode_block(NS, KEYS[i], KEYS[i - 1] if i else None, data, sealed=False)
+        trailer = sealed.header[88:96] if seal == "trailer" else b""
+        pieces.append(unsealed.to_bytes() + trailer)
     meta: dict[str, Any] = {
         "namespace": NS.digest.hex(),
         "session": None,
-        "blocks": [{"key": KEYS[i].hex(), "length": len(blocks[i])} for i in (0, 1)],
+        "blocks": [
+            {"key": KEYS[i].hex(), "length": HEADER_BYTES + kv.LAYOUT.chunk_nbytes} for i in (0, 1)
+        ],
     }
-    if offered:
-        meta["sealed"] = False
-    assert b"".join(call.body) == b"".join(bytes(p) for p in encode_frames(meta, blocks))
+    if seal != "header":
+        meta["seal"] = seal
+    body = b"".join(bytes(piece) for piece in call.body)
+    assert body == b"".join(bytes(p) for p in encode_frames(meta, pieces))
+    assert int(call.headers["Content-Length"]) == len(body)

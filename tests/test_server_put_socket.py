@@ -2,7 +2,8 @@
 a real daemon: the connection closes after every put and clients reconnect; a client
 that hangs up or goes quiet mid-body, or a daemon stopped under a stalled put, leaves
 nothing behind; an error found early is read by a client still sending; and unsealed
-puts are sealed by the daemon, over its Unix socket only."""
+puts whose checksums travel after the payload, or are made by the daemon (Unix
+socket only), are verified and stored as header-sealed ones."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from support.daemon import Daemon
 from support.http_kv import error_code, frames_body, lookup, make_chain, put_raw, register
 
 import kvstore
-from kvstore.block import encode_block
+from kvstore.block import HEADER_BYTES, TRAILER_BYTES, encode_block
 from kvstore.client import StoreClient
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
-from kvstore.wire import FRAMES_CONTENT_TYPE, namespace_to_json
+from kvstore.wire import FRAMES_CONTENT_TYPE, block_entries, encode_frames, namespace_to_json
 
+CHECKSUM_AT = 88  # the checksum's offset in a block header
 # 1 MiB chunks: a 48-block body is more than loopback TCP buffers (~36 MiB at most).
 MIB_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16", chunk_tokens=64)
 
@@ -146,7 +148,7 @@ def test_sigterm_with_a_stalled_put_stops_within_the_drain_deadline(
         assert time.monotonic() - started < 5.0
 
 
-# -- unsealed puts: sealed by the daemon, over the Unix socket only -----------------
+# -- where the checksum travels (kvstore.wire.Seal) ---------------------------------
 
 SSD_ONLY = """\
 data_dir = "{data_dir}"
@@ -156,73 +158,102 @@ capacity = "64MiB"
 """
 
 
-def _unsealed_body(
+def _sealed_body(
+    seal: str,
     namespace: Namespace,
     chain: http_kv.Chain,
     keys: Sequence[ChunkKey] | None = None,
-    **meta: object,
+    flip_trailer: int | None = None,
 ) -> bytes:
-    """``chain``'s blocks with zero checksums, under ``"sealed": false`` (or ``meta``),
-    named in the metadata by ``keys`` (``chain.keys`` unless given)."""
-    blocks = [
-        encode_block(
+    """``chain``'s blocks with zero checksums in their headers, under ``"seal": seal``,
+    each followed by its checksum for ``"trailer"`` (block ``flip_trailer``'s with a
+    bit flipped), named in the metadata by ``keys`` (``chain.keys`` unless given)."""
+    pieces = []
+    for i, (key, stored) in enumerate(zip(chain.keys, chain.blocks, strict=True)):
+        payload = stored[HEADER_BYTES:]
+        block = encode_block(
             namespace, key, chain.keys[i - 1] if i else None, memoryview(payload), sealed=False
-        ).to_bytes()
-        for i, (key, payload) in enumerate(
-            zip(chain.keys, http_kv.payloads(chain.blocks), strict=True)
         )
-    ]
+        trailer = stored[CHECKSUM_AT : CHECKSUM_AT + TRAILER_BYTES] if seal == "trailer" else b""
+        if i == flip_trailer:
+            trailer = bytes([trailer[0] ^ 1]) + trailer[1:]
+        pieces.append(block.to_bytes() + trailer)
     named = chain.keys if keys is None else keys
-    return frames_body(namespace, named, blocks, fields={"sealed": False, **meta})
+    meta = {
+        "namespace": namespace.digest.hex(),
+        "session": None,
+        "blocks": block_entries(named, chain.blocks),
+        "seal": seal,
+    }
+    return b"".join(bytes(piece) for piece in encode_frames(meta, pieces))
 
 
-def test_only_a_unix_socket_client_is_offered_sealing(daemon: Daemon) -> None:
-    ns = http_kv.namespace_for("offered-sealing")
+def test_a_registration_lists_the_seals_of_its_connection(daemon: Daemon) -> None:
+    ns = http_kv.namespace_for("offered-seals")
     with daemon.client() as client:
         answer = client.post("/v1/namespaces", json=namespace_to_json(ns)).json()
-        assert answer == {"namespace": ns.digest.hex(), "seals_puts": True}
+        assert answer == {
+            "namespace": ns.digest.hex(),
+            "put_seals": ["header", "trailer", "daemon"],
+        }
     with daemon.tcp_client() as client:
         answer = client.post("/v1/namespaces", json=namespace_to_json(ns)).json()
-        assert answer == {"namespace": ns.digest.hex()}
+        assert answer == {"namespace": ns.digest.hex(), "put_seals": ["header", "trailer"]}
 
 
+@pytest.mark.parametrize(("seal", "over"), [("daemon", "unix"), ("trailer", "tcp")])
 @pytest.mark.parametrize("config", [None, SSD_ONLY], ids=["landed-in-dram", "no-dram"])
-def test_an_unsealed_put_over_the_unix_socket_is_stored_sealed(
-    daemon_factory: Callable[..., Daemon], config: str | None
+def test_blocks_sent_without_header_checksums_are_stored_with_them(
+    daemon_factory: Callable[..., Daemon], config: str | None, seal: str, over: str
 ) -> None:
     """Landed in DRAM or (no DRAM tier) received into memory, each block is stored
-    with the checksum a sealing client would have sent, and reads back verified."""
+    with the checksum a header-sealing client would have sent, and reads back
+    verified."""
     instance = daemon_factory(config, tcp=True)
-    ns = http_kv.namespace_for("unsealed")
+    ns = http_kv.namespace_for(f"sealed-by-{seal}")
     chain = make_chain(ns, 3)
-    with instance.client() as client:
+    with instance.client() if over == "unix" else instance.tcp_client() as client:
         register(client, ns)
-        response = put_raw(client, _unsealed_body(ns, chain))
+        response = put_raw(client, _sealed_body(seal, ns, chain))
         assert response.status_code == 200 and response.json() == {"stored": 3}
     with instance.tcp_client() as client:
         _, blocks = http_kv.get_bytes(client, ns, chain.keys)  # every checksum verified
-    assert blocks == chain.blocks  # byte for byte what the client would have sealed
+    assert blocks == chain.blocks  # byte for byte what a header-sealing client sends
 
 
-def test_unsealed_blocks_are_refused_over_tcp_and_change_nothing(daemon: Daemon) -> None:
-    ns = http_kv.namespace_for("unsealed-tcp")
+@pytest.mark.parametrize("config", [None, SSD_ONLY], ids=["landed-in-dram", "no-dram"])
+def test_a_wrong_trailing_checksum_refuses_the_put(
+    daemon_factory: Callable[..., Daemon], config: str | None
+) -> None:
+    instance = daemon_factory(config, tcp=True)
+    ns = http_kv.namespace_for("bad-trailer")
+    chain = make_chain(ns, 3)
+    with instance.tcp_client() as client:
+        register(client, ns)
+        response = put_raw(client, _sealed_body("trailer", ns, chain, flip_trailer=1))
+        assert response.status_code == 422 and error_code(response) == "corrupt_block"
+        assert lookup(client, ns, chain.keys)["num_chunks"] == 0
+
+
+def test_the_daemon_seals_only_on_the_unix_socket(daemon: Daemon) -> None:
+    ns = http_kv.namespace_for("daemon-seal-tcp")
     chain = make_chain(ns, 2)
     with daemon.tcp_client() as client:
         register(client, ns)
-        response = put_raw(client, _unsealed_body(ns, chain))
+        response = put_raw(client, _sealed_body("daemon", ns, chain))
         assert response.status_code == 400 and error_code(response) == "bad_request"
         assert "Unix socket" in response.json()["error"]["message"]
         assert lookup(client, ns, chain.keys)["num_chunks"] == 0
 
 
-def test_an_unsealed_put_is_checked_as_a_sealed_one_is(
+def test_a_block_sealed_by_the_daemon_is_checked_as_any_other(
     daemon: Daemon, client: httpx.Client, ns: Namespace
 ) -> None:
     """Sealing replaces only the checksum comparison: a block under another key is
-    still refused, a bad ``sealed`` value too, and neither stores anything."""
+    still refused, an unknown ``seal`` too, and neither stores anything."""
     chain = make_chain(ns, 2)
-    response = put_raw(client, _unsealed_body(ns, chain, keys=chain.keys[::-1]))
+    response = put_raw(client, _sealed_body("daemon", ns, chain, keys=chain.keys[::-1]))
     assert response.status_code == 422 and error_code(response) == "corrupt_block"
-    response = put_raw(client, _unsealed_body(ns, chain, sealed="no"))
+    response = put_raw(client, _sealed_body("nobody", ns, chain))
     assert response.status_code == 400 and error_code(response) == "bad_request"
     assert lookup(client, ns, chain.keys)["num_chunks"] == 0

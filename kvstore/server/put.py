@@ -12,7 +12,8 @@ From the socket to the store, on one worker thread per put::
     land it (kvstore/landing.py): reserve a DRAM extent, recv_into it, checksum
     each step as it lands, check key, namespace, layout, one chunk; unpublished
     or, with no extent to be had: into memory ─► verify_block ─► the same checks
-    (an unsealed block is checksummed the same way, into its header: see below)
+    (a block sent without its checksum in the header is checksummed the same
+    way, into its header, and checked against its trailer: see below)
       │
       ▼ once the whole body is in and every block passed
     Landing.commit: landed blocks published, the others stored by
@@ -23,14 +24,16 @@ A failed put reads and drops the rest of its body (for up to
 ``_DISCARD_S``) before answering, so that a client still sending reads the
 error rather than a connection reset; the connection then closes.
 
-Unsealed puts (``"sealed": false`` in the metadata; Unix socket only): the
-blocks' checksums are zero and the daemon computes them from the bytes that
-landed, in the pass that would otherwise verify them. A same-host socket is
-a kernel copy, which changes nothing on the way, so checksumming on both
-sides protected nothing and cost the client a pass over every payload (a
-quarter of a Unix put's client CPU). Over TCP the client seals and the
-daemon verifies, as bytes then cross a network. Everything else is checked
-as for a sealed block, and every later read verifies the checksum stored.
+Where a block's checksum travels (``"seal"`` in the metadata,
+``kvstore.wire.Seal``): in its header (the default), or after its payload
+(``"trailer"``: the client hashes each slice just before sending it, so it
+reads every payload once, not twice; what ``kvstore.client`` sends over TCP),
+or nowhere (``"daemon"``, Unix socket only: the daemon computes the checksum
+from the bytes that landed, in the pass that would otherwise verify them; a
+same-host socket is a kernel copy, and a checksum on both sides of it cost
+the client a quarter of its CPU while guarding nothing). Either way the
+daemon checksums what landed, in one pass, and stores the block with its
+checksum in the header, which every later read verifies.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from aiohttp import web
 
 from kvstore.block import (
     HEADER_BYTES,
+    TRAILER_BYTES,
     Block,
+    check_trailer,
     payload_view,
     seal_block,
     stored_block,
@@ -65,6 +70,7 @@ from kvstore.wire import (
     META_LENGTH,
     ErrorCode,
     FrameLimits,
+    Seal,
     WireError,
     digest_from_hex,
     meta_length,
@@ -121,21 +127,21 @@ async def _to_the_end(receiving: Awaitable[_PutBatch]) -> _PutBatch:
 class _PutBatch:
     """A put being received: namespace, session and keys from its metadata, then
     its verified blocks (landed in DRAM or ``Block``s; ``None`` where the metadata
-    says absent). ``landing`` owns the DRAM extents blocks landed in. ``sealed``:
-    whether the blocks carry their checksums (else the daemon computes them)."""
+    says absent). ``landing`` owns the DRAM extents blocks landed in. ``seal``:
+    where the blocks' checksums travel."""
 
     namespace: Namespace
     session: str | None
     keys: list[ChunkKey]
     landing: Landing
-    sealed: bool
+    seal: Seal
     blocks: list[Block | Reserved | None] = field(default_factory=list)
 
 
 def _receive(body: SocketBody, store: TieredStore, limit: int, local: bool) -> _PutBatch:
     """Read and check the metadata, then every block (worker thread). A failure
     gives back what landed and drains the body before raising. ``local``: the
-    put came over the Unix socket, so its blocks may come unsealed."""
+    put came over the Unix socket, so the daemon may seal its blocks."""
     limits = FrameLimits(
         max_blocks=store.config.max_batch_chunks,
         max_block_bytes=HEADER_BYTES + store.config.max_chunk_bytes + _CODEC_SLACK_BYTES,
@@ -167,8 +173,19 @@ def _receive_block(body: SocketBody, batch: _PutBatch, index: int, nbytes: int) 
     if nbytes < HEADER_BYTES:
         raise CorruptBlock(f"block {index}: {nbytes} bytes is shorter than a block header")
     header_bytes = body.read_exact(HEADER_BYTES)
+
+    def read_trailer() -> bytes:
+        return body.read_exact(TRAILER_BYTES)
+
     landed = batch.landing.land(
-        index, key, parent, header_bytes, nbytes, body.readinto, sealed=batch.sealed
+        index,
+        key,
+        parent,
+        header_bytes,
+        nbytes,
+        body.readinto,
+        seal=batch.seal,
+        read_trailer=read_trailer,
     )
     if landed is not None:
         return landed
@@ -177,9 +194,11 @@ def _receive_block(body: SocketBody, batch: _PutBatch, index: int, nbytes: int) 
     data[:HEADER_BYTES] = header_bytes
     body.readinto(data[HEADER_BYTES:])
     try:
-        if not batch.sealed:
+        if batch.seal is not Seal.HEADER:
             seal_block(data)  # then nothing is left to verify of its checksum
-        header = verify_block(data, check_payload=batch.sealed)
+            if batch.seal is Seal.TRAILER:
+                check_trailer(bytes(data[:HEADER_BYTES]), read_trailer(), key)
+        header = verify_block(data, check_payload=batch.seal is Seal.HEADER)
         check_received(header, batch.namespace, key, payload_view(data))
     except (CorruptBlock, LayoutMismatch) as error:
         raise type(error)(f"block {index}: {error}") from None
@@ -191,13 +210,14 @@ def _check_put_meta(
 ) -> _PutBatch:
     """Refuse a put by its metadata alone, before its blocks are read."""
     namespace = store.namespace(digest_from_hex(meta.get("namespace")))
-    sealed = meta.get("sealed", True)
-    if not isinstance(sealed, bool):
-        raise WireError(ErrorCode.BAD_REQUEST, "sealed must be true or false")
-    if not sealed and not local:
+    named = meta.get("seal", Seal.HEADER.value)
+    seal = next((seal for seal in Seal if seal.value == named), None)
+    if seal is None:
         raise WireError(
-            ErrorCode.BAD_REQUEST, "unsealed blocks are only taken over the Unix socket"
+            ErrorCode.BAD_REQUEST, f"seal must be one of {[seal.value for seal in Seal]}"
         )
+    if seal is Seal.DAEMON and not local:
+        raise WireError(ErrorCode.BAD_REQUEST, "seal 'daemon' is only taken on the Unix socket")
     session = meta.get("session")
     if session is not None and (
         not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS
@@ -217,7 +237,7 @@ def _check_put_meta(
         declared += length or 0
     if declared > limit:
         raise _too_large(declared, limit)
-    return _PutBatch(namespace, session, keys, Landing(store, namespace, keys), sealed)
+    return _PutBatch(namespace, session, keys, Landing(store, namespace, keys), seal)
 
 
 def _too_large(size: int, limit: int) -> WireError:

@@ -34,6 +34,7 @@ from kvstore.tiers.dram import DRAMTier
 from kvstore.wire import (
     API_PREFIX,
     ErrorCode,
+    Seal,
     WireError,
     digest_from_hex,
     keys_from_json,
@@ -66,10 +67,11 @@ async def register_namespace(request: web.Request) -> web.Response:
             ErrorCode.REQUEST_TOO_LARGE, f"{len(known)} namespaces registered; the limit is {limit}"
         )
     await asyncio.to_thread(store.register, namespace)
-    answer: dict[str, Any] = {"namespace": namespace.digest.hex()}
-    if is_local(request):  # this client may leave its puts to be sealed here (kvstore.server.put)
-        answer["seals_puts"] = True
-    return web.json_response(answer)
+    # How this client may seal its puts on this connection (kvstore.wire.Seal).
+    seals = list(Seal) if is_local(request) else [Seal.HEADER, Seal.TRAILER]
+    return web.json_response(
+        {"namespace": namespace.digest.hex(), "put_seals": [seal.value for seal in seals]}
+    )
 
 
 async def lookup(request: web.Request) -> web.Response:

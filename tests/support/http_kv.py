@@ -8,7 +8,7 @@ so they speak it by hand.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,7 @@ def register(client: httpx.Client, namespace: Namespace) -> None:
     assert response.status_code == 200, response.text
     answer = response.json()
     assert answer["namespace"] == namespace.digest.hex()
-    assert set(answer) <= {"namespace", "seals_puts"}
+    assert set(answer) <= {"namespace", "put_seals"}
 
 
 def frames_body(
@@ -66,14 +66,11 @@ def frames_body(
     keys: Sequence[ChunkKey],
     blocks: Sequence[bytes | None],
     session: str | None = None,
-    fields: Mapping[str, object] | None = None,
 ) -> bytes:
-    """A put's frames body; ``fields``: more metadata (``{"sealed": False}``)."""
     meta = {
         "namespace": namespace.digest.hex(),
         "session": session,
         "blocks": block_entries(keys, blocks),
-        **(fields or {}),
     }
     present = [block for block in blocks if block is not None]
     return b"".join(bytes(piece) for piece in encode_frames(meta, present))
