@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from time import time as wall_clock
 from types import TracebackType
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
+from kvstore.client.blocking import STALE_CONNECTION, send
 from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.failures import from_reply, from_transport
 from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
@@ -27,16 +28,15 @@ from kvstore.stats import StoreStats
 
 log = logging.getLogger("kvstore.client")
 
-# Errors of a connection that died before answering (a keep-alive connection the
-# daemon closed, a daemon restart): the call is sent once more, on a new connection.
-_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-
 
 class AsyncStoreClient:
     """An asyncio client of ``kvstore serve``: ``TieredStore``'s methods, awaitable.
 
     Share one per event loop; httpx pools the connections. Verification and
     shared-memory copies run on the loop (they are memory bandwidth, not waits).
+    With a ``blocking_transport`` (``connect_async`` gives one), bytes gets go
+    over it on a worker thread, read off the socket (``client.blocking``); the
+    loop stays free meanwhile.
     Failures degrade or raise as ``client.failures`` draws it: ``lookup``,
     ``get``, ``put`` and the session events never raise for a daemon that is
     down or slow (they answer nothing cached / misses / dropped within
@@ -50,17 +50,29 @@ class AsyncStoreClient:
         base_url: str,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        blocking_transport: httpx.BaseTransport | None = None,
         token: str | None = None,
         timeout_s: float = 2.0,
         shm: bool = False,
         backoff_s: float = 1.0,
         verify: Verify | str = DEFAULT_VERIFY,
     ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         self._http = httpx.AsyncClient(
             base_url=base_url,
             transport=transport,
             timeout=httpx.Timeout(timeout_s),
-            headers={"Authorization": f"Bearer {token}"} if token else None,
+            headers=headers,
+        )
+        self._blocking = (
+            None
+            if blocking_transport is None
+            else httpx.Client(
+                base_url=base_url,
+                transport=blocking_transport,
+                timeout=httpx.Timeout(timeout_s),
+                headers=headers,
+            )
         )
         self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s, verify=verify)
         # Calls nothing waits for (``Call.wait``): tasks, at most MAX_DETACHED_CALLS
@@ -156,6 +168,8 @@ class AsyncStoreClient:
             self._start_detached(call)
         await asyncio.gather(*self._detached)
         await self._http.aclose()
+        if self._blocking is not None:
+            self._blocking.close()
         self._protocol.close()
 
     async def __aenter__(self) -> AsyncStoreClient:
@@ -226,6 +240,8 @@ class AsyncStoreClient:
             log.debug("%s %s (sent in the background) failed: %s", call.method, call.path, error)
 
     async def _send(self, call: Call) -> Reply:
+        if call.sink is not None and self._blocking is not None:
+            return await _to_the_end(asyncio.to_thread(send, self._blocking, call))
         try:
             response = await self._open(call)
             try:
@@ -244,7 +260,7 @@ class AsyncStoreClient:
         """Send ``call``; the response's body is left unread."""
         try:
             return await self._http.send(self._request(call), stream=True)
-        except _STALE_CONNECTION:
+        except STALE_CONNECTION:
             if not call.retry:
                 raise
             return await self._http.send(self._request(call), stream=True)
@@ -254,6 +270,18 @@ class AsyncStoreClient:
         return self._http.build_request(
             call.method, call.path, json=call.json, content=content, headers=call.headers
         )
+
+
+async def _to_the_end(sending: Awaitable[Reply]) -> Reply:
+    """The worker's reply. Cancelled meanwhile, still wait for the worker before
+    raising: it writes into the caller's buffers (``out=``), and nothing may once
+    the get has returned. The client's timeout bounds the wait."""
+    future = asyncio.ensure_future(sending)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise
 
 
 async def _pieces(body: PutBody) -> AsyncIterator[bytes | memoryview]:

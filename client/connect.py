@@ -84,6 +84,8 @@ def connect_async(
     return AsyncStoreClient(
         address.base_url,
         transport=async_transport(address.path, max_connections),
+        # Bytes gets go over this one, on worker threads (``client.blocking``).
+        blocking_transport=transport(address.path, max_connections),
         token=bearer_token(address, token),
         timeout_s=timeout_s,
         shm=_uses_shm(address, transfer),

@@ -28,9 +28,10 @@ deadline are each replaced by single assignments, without a lock: the worst
 a race can do is register a namespace twice or map a segment twice, both
 harmless. The counters are updated under ``_lock``. Shared-memory copies of
 large batches use one helper thread (``blocks.copy_leased``), and blocks
-the asyncio client receives as bytes are verified on another while the next
-ones arrive (``blocks.FramesSink``; the blocking client checksums them as
-they land, ``client.socket_body``): memory bandwidth, not I/O, so they live
+received as bytes through h11 are verified on another while the next ones
+arrive (``blocks.FramesSink``; a blocking transport, which both shells use
+for bytes gets when they have one, checksums them as they land,
+``client.socket_body``): memory bandwidth, not I/O, so they live
 here rather than in a shell. A bytes get that fails waits for its
 verification in flight before it returns (``FramesSink.settle``), so nothing
 writes to the caller's buffers afterwards.

@@ -1,4 +1,5 @@
-"""A bytes get's response body read straight off the socket, past h11 (blocking client only).
+"""A bytes get's response body read straight off the socket, past h11 (blocking transports:
+``StoreClient``, and ``AsyncStoreClient`` on a worker thread, ``client.blocking``).
 
 Why: through httpx, every byte of a get's body passed through h11's receive
 buffer (appended, then cut out: two copies) and was then copied a third time,
@@ -24,7 +25,7 @@ How the body is taken from httpx::
 
 Only a ``200`` with a ``Content-Length`` and no transfer or content coding is
 read this way (the daemon always sends one for a frames get); anything else,
-and the asyncio client, stream through h11 as before. A response head
+and an asyncio client without a blocking transport, streams through h11. A response head
 preceded by an interim ``1xx`` would be cut at the interim's blank line; the
 daemon sends none (httpx never asks ``Expect: 100-continue``), and if one
 came the rest would stay in h11 and the frames parse or a checksum would fail:

@@ -13,15 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from time import monotonic
 from time import time as wall_clock
 from types import TracebackType
-from typing import Any
 
 import httpx
 
 from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
+from kvstore.client.blocking import send
 from kvstore.client.blocks import DEFAULT_VERIFY, Verify
-from kvstore.client.failures import from_reply, from_transport
+from kvstore.client.failures import from_reply
 from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
-from kvstore.client.socket_body import open_body
 from kvstore.client.stats import ClientStats
 from kvstore.errors import KVStoreError
 from kvstore.events import RequestFinished, RequestStarted, Trigger
@@ -29,10 +28,6 @@ from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
 from kvstore.stats import StoreStats
 
 log = logging.getLogger("kvstore.client")
-
-# Errors of a connection that died before answering (a keep-alive connection the
-# daemon closed, a daemon restart): the call is sent once more, on a new connection.
-_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class StoreClient:
@@ -215,38 +210,7 @@ class StoreClient:
             log.debug("%s %s (sent in the background) failed: %s", call.method, call.path, error)
 
     def _send(self, call: Call) -> Reply:
-        try:
-            response = self._open(call)
-            try:
-                if response.status_code == 200 and call.sink is not None:
-                    body = open_body(response)
-                    if body is not None:  # straight off the socket, then closed
-                        call.sink.receive(body)
-                        return Reply(200)
-                    for data in response.iter_bytes():
-                        call.sink.feed(data)
-                    call.sink.finish()
-                    return Reply(200)
-                return Reply(response.status_code, response.read())
-            finally:
-                response.close()
-        except httpx.HTTPError as error:
-            raise from_transport(error) from error
-
-    def _open(self, call: Call) -> httpx.Response:
-        """Send ``call``; the response's body is left unread."""
-        try:
-            return self._http.send(self._request(call), stream=True)
-        except _STALE_CONNECTION:
-            if not call.retry:
-                raise
-            return self._http.send(self._request(call), stream=True)
-
-    def _request(self, call: Call) -> httpx.Request:
-        content: Any = None if call.body is None else iter(call.body)
-        return self._http.build_request(
-            call.method, call.path, json=call.json, content=content, headers=call.headers
-        )
+        return send(self._http, call)
 
 
 class _Delayed:

@@ -254,6 +254,40 @@ def test_multi_mib_chunks_round_trip_bit_for_bit(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("transport", ("unix-bytes", "tcp"))
+def test_a_cancelled_async_get_returns_only_once_nothing_writes_to_its_buffers(
+    transport: str, daemon: Daemon, request: pytest.FixtureRequest
+) -> None:
+    """An asyncio bytes get reads its body on a worker thread; cancelled mid-body, it
+    still waits for that thread, so the caller's buffers are its own again."""
+    target = daemon_target(daemon, transport)
+    ns = Namespace("cancelled", BIG_LAYOUT, tenant_salt=request.node.name)
+    count = 16  # 48 MiB: far more than one loop turn's worth
+    tokens = np.arange(count * BIG_LAYOUT.chunk_tokens)
+    chunks = [
+        torch.full(BIG_LAYOUT.chunk_shape, float(i), dtype=torch.bfloat16) for i in range(count)
+    ]
+    keys = chunk_keys(ns, tokens)
+
+    async def scenario() -> None:
+        async with opened("async", target.url, timeout_s=30, **target.options) as store:
+            assert await store.put(ns, tokens, chunks) == count
+            out = [torch.zeros_like(chunk) for chunk in chunks]
+            getting = asyncio.ensure_future(store.get(ns, keys, out=out))
+            await asyncio.sleep(0.005)
+            getting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await getting
+            landed = [buffer.clone() for buffer in out]
+            await asyncio.sleep(0.2)
+            assert all(torch.equal(a, b) for a, b in zip(out, landed, strict=True))
+            got = await store.get(ns, keys, out=out)  # and the client carries on
+            assert all(chunk is not None for chunk in got)
+            assert all(torch.equal(a, b) for a, b in zip(out, chunks, strict=True))
+
+    asyncio.run(scenario())
+
+
 def test_a_finished_lease_rides_on_the_next_get_or_goes_back_after_a_delay(
     flavour: str, daemon: Daemon, ns: Namespace
 ) -> None:
