@@ -34,9 +34,9 @@ class AsyncStoreClient:
 
     Share one per event loop; httpx pools the connections. Verification and
     shared-memory copies run on the loop (they are memory bandwidth, not waits).
-    With a ``blocking_transport`` (``connect_async`` gives one), bytes gets go
-    over it on a worker thread, read off the socket (``client.blocking``); the
-    loop stays free meanwhile.
+    With a ``blocking_transport`` (``connect_async`` gives one), bytes gets and
+    puts go over it on a worker thread, as ``StoreClient`` sends them
+    (``client.blocking``); the loop stays free meanwhile.
     Failures degrade or raise as ``client.failures`` draws it: ``lookup``,
     ``get``, ``put`` and the session events never raise for a daemon that is
     down or slow (they answer nothing cached / misses / dropped within
@@ -240,7 +240,7 @@ class AsyncStoreClient:
             log.debug("%s %s (sent in the background) failed: %s", call.method, call.path, error)
 
     async def _send(self, call: Call) -> Reply:
-        if call.sink is not None and self._blocking is not None:
+        if self._blocking is not None and (call.sink is not None or call.body is not None):
             return await _to_the_end(asyncio.to_thread(send, self._blocking, call))
         try:
             response = await self._open(call)
@@ -274,8 +274,9 @@ class AsyncStoreClient:
 
 async def _to_the_end(sending: Awaitable[Reply]) -> Reply:
     """The worker's reply. Cancelled meanwhile, still wait for the worker before
-    raising: it writes into the caller's buffers (``out=``), and nothing may once
-    the get has returned. The client's timeout bounds the wait."""
+    raising: it writes into the caller's buffers (a get's ``out=``) or reads them
+    (a put's chunks), and nothing may once the call has returned. The client's
+    timeout bounds the wait."""
     future = asyncio.ensure_future(sending)
     try:
         return await asyncio.shield(future)

@@ -1,11 +1,12 @@
 """One exchange over a blocking httpx client.
 
 ``StoreClient`` sends every call this way. ``AsyncStoreClient`` sends its bytes
-gets this way too, on a worker thread: their bodies are then read straight
-off the socket into each block's buffer (``client.socket_body``), which
-asyncio's streams cannot do (anyio hands a body over as fresh ``bytes`` per
-read, which h11 buffers and the sink copies again), at about half the
-throughput.
+gets and puts this way too, on a worker thread: a get's body is then read
+straight off the socket into each block's buffer (``client.socket_body``),
+which asyncio's streams cannot do (anyio hands a body over as fresh
+``bytes`` per read, which h11 buffers and the sink copies again: about half
+the throughput), and a put goes out by ``sendall`` (through anyio, a TCP
+put of 128 MiB ran ~30% slower).
 """
 
 from __future__ import annotations

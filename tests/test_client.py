@@ -5,6 +5,7 @@ socket with bytes or shared-memory gets, and over TCP with a token)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import time
@@ -284,6 +285,41 @@ def test_a_cancelled_async_get_returns_only_once_nothing_writes_to_its_buffers(
             got = await store.get(ns, keys, out=out)  # and the client carries on
             assert all(chunk is not None for chunk in got)
             assert all(torch.equal(a, b) for a, b in zip(out, chunks, strict=True))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("transport", ("unix-bytes", "tcp"))
+def test_a_cancelled_async_put_returns_only_once_nothing_reads_its_chunks(
+    transport: str, daemon: Daemon, request: pytest.FixtureRequest
+) -> None:
+    """An asyncio put sends its body on a worker thread; cancelled mid-body, it still
+    waits for that thread, so what the caller writes into its tensors afterwards
+    never reaches the store under the old keys."""
+    target = daemon_target(daemon, transport)
+    ns = Namespace("cancelled-put", BIG_LAYOUT, tenant_salt=request.node.name)
+    count = 16
+    tokens = np.arange(count * BIG_LAYOUT.chunk_tokens)
+    chunks = [
+        torch.full(BIG_LAYOUT.chunk_shape, float(i + 1), dtype=torch.bfloat16) for i in range(count)
+    ]
+    originals = [chunk.clone() for chunk in chunks]
+    keys = chunk_keys(ns, tokens)
+
+    async def scenario() -> None:
+        async with opened("async", target.url, timeout_s=30, **target.options) as store:
+            await store.lookup(ns, keys)  # registered: the put's first request is the body
+            putting = asyncio.ensure_future(store.put(ns, tokens, chunks))
+            await asyncio.sleep(0.005)
+            putting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await putting
+            for chunk in chunks:
+                chunk.zero_()  # the caller's buffers are its own again
+            await asyncio.sleep(0.5)  # a put still sending in the background is done by now
+            got = await store.get(ns, keys)
+            for chunk, original in zip(got, originals, strict=True):
+                assert chunk is None or same_bytes(chunk, original)
 
     asyncio.run(scenario())
 
