@@ -176,7 +176,7 @@ def frame_block(header: BlockHeader, payload: memoryview, *, sealed: bool = True
     )[:_CHECKSUM_OFFSET]
     checksum = 0
     if sealed:
-        hasher = xxhash.xxh3_64(prefix)
+        hasher = payload_hasher(prefix)
         hasher.update(payload)
         checksum = hasher.intdigest()
     return Block(header=_with_checksum(prefix, checksum), payload=payload)

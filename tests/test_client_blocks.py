@@ -64,18 +64,24 @@ def verifier(request: pytest.FixtureRequest) -> Iterator[ThreadPoolExecutor | No
         yield executor
 
 
-def test_frames_sink_turns_every_bad_block_into_a_counted_miss(
-    verifier: ThreadPoolExecutor | None,
-) -> None:
+def one_of_each_miss(keys: list[ChunkKey]) -> list[bytes | None]:
+    """A good block for ``keys[0]``, then one of each way a block is a miss, for
+    ``keys[1:5]``."""
     other = kv.namespace(salt="another tenant")
-    keys = [*KEYS, *chunk_keys(NS, kv.tokens(2, start=10_000))]
-    blocks: list[bytes | None] = [
+    return [
         BLOCKS[0],  # good
         flip(BLOCKS[1], 1000),  # a payload bit flipped in transit
         BLOCKS[0],  # a good block, but of another key
         block_bytes(other, keys[3], CHUNKS[0]),  # the right key, another namespace
         None,  # not cached
     ]
+
+
+def test_frames_sink_turns_every_bad_block_into_a_counted_miss(
+    verifier: ThreadPoolExecutor | None,
+) -> None:
+    keys = [*KEYS, *chunk_keys(NS, kv.tokens(2, start=10_000))]
+    blocks = one_of_each_miss(keys)
     sink = FramesSink(NS, keys, None, BufferPool(1 << 20), verifier)
     feed_in_pieces(sink, frames(blocks, keys))
     assert [chunk is not None for chunk in sink.received.chunks] == [
@@ -201,14 +207,9 @@ def receive_over_socket(
 
 
 def test_a_body_off_the_socket_turns_every_bad_block_into_a_counted_miss() -> None:
-    other = kv.namespace(salt="another tenant")
     keys = [*KEYS, *chunk_keys(NS, kv.tokens(4, start=10_000))]
-    blocks: list[bytes | None] = [
-        BLOCKS[0],  # good
-        flip(BLOCKS[1], 1000),  # a payload bit flipped in transit
-        BLOCKS[0],  # a good block, but of another key
-        block_bytes(other, keys[3], CHUNKS[0]),  # the right key, another namespace
-        None,  # not cached
+    blocks = [
+        *one_of_each_miss(keys),
         flip(BLOCKS[2], 3),  # a header bit flipped: refused before its payload is read
         block_bytes(NS, keys[6], CHUNKS[2]),  # good, after the bad header's payload
     ]
