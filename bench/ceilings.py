@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvstore.config import TierConfig
+from kvstore.tiers.registry import TierConfig
 
 
 class RawBackend(Protocol):

@@ -38,7 +38,7 @@ Gets are measured twice: ``get`` (the client allocates each chunk) and
 ``get_into`` (``get(..., out=)`` into the caller's preallocated tensors); both
 have the same ceiling. A put has no shared-memory path, so there is no ``shm``
 put row: the daemon reads a put's body off the socket straight into its DRAM
-arena (``kvstore/server/socket_body.py``), client -> kernel -> arena, and a
+arena (``kvstore/server/borrowed_body.py``), client -> kernel -> arena, and a
 put through a shared segment would cost the same two copies (client ->
 segment -> arena) plus a lease. Every put writes fresh keys
 (the previous repetition's are deleted, untimed), so it is a real write.

@@ -12,10 +12,10 @@ drift hits all alike:
 ``recompute``  the forward over the whole prompt, argmax of the last logits
 ``reload``     ``HFKVStore.prefill``: lookup, load every full chunk but the
                last token's, forward over the rest, argmax (layer-wise off)
-``layerwise``  the same with the layer-wise loader (``client.hf_cache``)
+``layerwise``  the same with the layer-wise loader (``client.hf.loading``)
 
 ``load_gbps`` is the KV bytes a reload puts into the cache over the time of
-``client.hf_cache.load_cache`` (the load ``prefill`` runs before its forward:
+``client.hf.loading.load_cache`` (the load ``prefill`` runs before its forward:
 get every chunk into a staging buffer, unpack every layer into the cache's
 tensors), against ``ceiling_gbps``: the same bytes copied between warm
 buffers by a plain memcpy (CPU) or a pinned host-to-device copy (CUDA).
@@ -72,10 +72,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import kvstore  # noqa: E402
 from kvstore.client.embedded import EmbeddedClient  # noqa: E402
 from kvstore.client.hf import HFKVStore, RequestReport  # noqa: E402
-from kvstore.client.hf_cache import load_cache  # noqa: E402
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
-from kvstore.tiers.base import TierKind  # noqa: E402
+from kvstore.client.hf.loading import load_cache  # noqa: E402
+from kvstore.store.config import StoreConfig
+from kvstore.store.tiered_store import TieredStore  # noqa: E402
+from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 GiB = 1 << 30
 NEW_TOKENS = 4

@@ -7,7 +7,7 @@ daemon writes one block at a time), from distinct, touched memory, and reads
 and discards a put's body; ``BareHTTP`` drives it with the httpx transport,
 pool, timeout and headers ``kvstore.connect`` gives a ``StoreClient``, and
 reads a get's body the way that client does: straight off the socket with
-``recv_into`` (``kvstore.client.socket_body``), here into one preallocated,
+``recv_into`` (``kvstore.client.get_body``), here into one preallocated,
 touched buffer (the memory a caller's ``out=`` would be), nothing verified.
 
     python bench/http_ceiling.py SOCKET PORT   # what ceiling_process starts
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import HOST, ServerProcess, free_port  # noqa: E402
 
-from kvstore.client.socket_body import open_body  # noqa: E402
+from kvstore.client.get_body import open_body  # noqa: E402
 from kvstore.client.transports import transport  # noqa: E402
-from kvstore.server.frames import widen_send_buffer  # noqa: E402
+from kvstore.server.get_frames import widen_send_buffer  # noqa: E402
 
 
 def ceiling_process(root: Path) -> tuple[ServerProcess, int]:

@@ -75,10 +75,11 @@ from common import (  # noqa: E402
 )
 
 from kvstore.block import HEADER_BYTES  # noqa: E402
-from kvstore.config import StoreConfig, TierConfig  # noqa: E402
 from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
-from kvstore.tiers.base import TierKind  # noqa: E402
+from kvstore.store.config import StoreConfig
+from kvstore.store.tiered_store import TieredStore  # noqa: E402
+from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 SIZES = (
     ChunkSize("256KiB", KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, chunk_tokens=16)),

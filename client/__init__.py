@@ -12,28 +12,37 @@
 
 One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``)::
 
-    connect / connect_async          connect.py     URL (address.py) -> client
-      StoreClient | AsyncStoreClient sync.py, aio.py  I/O only, over httpx transports
-                                     transports.py  Unix socket or TCP, bounded pools
-        ClientProtocol               protocol.py    every operation, sans-IO generators
-          FramesSink, copy_leased    blocks.py      verify each received block
-          BufferPool                 buffers.py     plain gets' payload buffers, reused
-          SharedArena                shm.py         the daemon's DRAM arena, read only
-          from_transport, from_reply failures.py    what degrades, what raises
-          ClientStats                stats.py       what degraded, counted
-          RequestStarted, ...        kvstore.events session events (schema shared with the daemon)
-      EmbeddedClient | Async...      embedded.py    embedded:// (a store in this process)
+    connect / connect_async          connect.py          URL (address.py) -> client
+      StoreClient | AsyncStoreClient sync_client.py,     I/O only, over httpx transports
+                                     async_client.py
+                                     transports.py       Unix socket or TCP, bounded pools
+                                     blocking.py         one blocking exchange, both shells
+        ClientProtocol               protocol.py         every operation, sans-IO generators
+          FramesSink, copy_leased    blocks.py           verify each received block
+          PutBody                    put_body.py         a put's frames, sealed as it goes
+          open_body                  get_body.py         a get's body read off the socket
+          BufferPool                 buffers.py          plain gets' payload buffers, reused
+          SharedArena                shm.py              the daemon's DRAM arena, read only
+          ClientStats, from_reply    failures.py         what degrades, what raises, counted
+      EmbeddedClient | Async...      embedded.py         embedded:// (a store in this process)
+    hf/                              transformers models on the store
+    vllm/                            vLLM's KV connector
+
+Session events (``RequestStarted``, ...) are ``kvstore.wire.events``: one schema
+for the client, the daemon and the predictor. May import: the format, the
+store (for the embedded faces and the result types) and the wire; never the
+daemon or the predictor.
 
 What degrades and what raises is drawn in ``kvstore.client.failures``.
 """
 
-from kvstore.client.aio import AsyncStoreClient
+from kvstore.client.async_client import AsyncStoreClient
 from kvstore.client.blocks import Verify
 from kvstore.client.connect import AsyncKVClient, KVClient, Transfer, connect, connect_async
 from kvstore.client.embedded import AsyncEmbeddedClient, EmbeddedClient
-from kvstore.client.stats import ClientStats
-from kvstore.client.sync import StoreClient
-from kvstore.events import Trigger
+from kvstore.client.failures import ClientStats
+from kvstore.client.sync_client import StoreClient
+from kvstore.wire.events import Trigger
 
 __all__ = [
     "AsyncEmbeddedClient",

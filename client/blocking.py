@@ -2,7 +2,7 @@
 
 ``StoreClient`` sends every call this way. ``AsyncStoreClient`` sends its bytes
 gets and puts this way too, on a worker thread: a get's body is then read
-straight off the socket into each block's buffer (``client.socket_body``),
+straight off the socket into each block's buffer (``client.get_body``),
 which asyncio's streams cannot do (anyio hands a body over as fresh
 ``bytes`` per read, which h11 buffers and the sink copies again: about half
 the throughput), and a put goes out by ``sendall`` (through anyio, a TCP
@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from kvstore.client.failures import from_transport
+from kvstore.client.get_body import open_body
 from kvstore.client.protocol import Call, Reply
-from kvstore.client.socket_body import open_body
 
 # Errors of a connection that died before answering (a keep-alive connection the
 # daemon closed, a daemon restart): the call is sent once more, on a new connection.

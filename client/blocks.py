@@ -14,7 +14,7 @@ from there, if given):
 
 * ``FramesSink`` takes a ``"bytes"`` get's frames body one of two ways.
   The blocking client reads it straight off the socket (``receive``,
-  ``client.socket_body``): each payload lands in its final buffer by
+  ``client.get_body``): each payload lands in its final buffer by
   ``recv_into`` and is checksummed 256 KiB at a time right after, while in
   cache (``fill_verified``), on the caller's thread: a fifth to a quarter
   of the client CPU of going through h11 and copying (~35-55 ms against
@@ -24,7 +24,7 @@ from there, if given):
   buffered), then verify each block once it is complete: on a worker
   thread when it is given one, so block ``i`` is checksummed while block
   ``i+1`` is read off the socket (xxhash releases the GIL), as
-  ``kvstore.reader`` overlaps LMDB reads; ``finish`` waits for the last.
+  ``kvstore.store.reader`` overlaps LMDB reads; ``finish`` waits for the last.
 * ``copy_leased`` copies the blocks a ``"shm"`` lease points at out of the
   read-only mapping (``client.shm``), checked as ``Verify`` says. A large
   batch is copied by two threads taking blocks in turn (copy and checksum
@@ -83,24 +83,17 @@ from kvstore.block import (
     parse_header,
     verify_parts,
 )
-from kvstore.chunk import KVChunk
 from kvstore.client.buffers import BufferPool
 from kvstore.client.failures import unavailable
+from kvstore.client.get_body import SocketBody
 from kvstore.client.shm import SharedArena
-from kvstore.client.socket_body import SocketBody
 from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.tiers.base import TierKind
-from kvstore.wire import (
-    META_LENGTH,
-    ErrorCode,
-    FrameDecoder,
-    FrameLimits,
-    WireError,
-    meta_length,
-    parse_meta,
-)
+from kvstore.store.chunk import KVChunk
+from kvstore.tiers.kinds import TierKind
+from kvstore.wire.codes import ErrorCode, WireError
+from kvstore.wire.frames import META_LENGTH, FrameDecoder, FrameLimits, meta_length, parse_meta
 
 Destinations = Sequence[np.ndarray] | None
 
@@ -228,7 +221,7 @@ class FramesSink:
                 )
 
     def receive(self, body: SocketBody) -> None:
-        """Read the whole frames body off the socket (``client.socket_body``), each
+        """Read the whole frames body off the socket (``client.get_body``), each
         payload straight into its buffer, checksummed step by step as it lands
         (``fill_verified``), on this thread; instead of ``feed`` and ``finish``.
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import enum
 
-from kvstore.aio import AsyncTieredStore
 from kvstore.client.address import Address, Scheme, bearer_token
-from kvstore.client.aio import AsyncStoreClient
+from kvstore.client.async_client import AsyncStoreClient
 from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.embedded import AsyncEmbeddedClient, EmbeddedClient
-from kvstore.client.sync import StoreClient
+from kvstore.client.sync_client import StoreClient
 from kvstore.client.transports import async_transport, transport
-from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.store import TieredStore
+from kvstore.store.async_store import AsyncTieredStore
+from kvstore.store.config import StoreConfig
+from kvstore.store.tiered_store import TieredStore
 
 KVClient = StoreClient | EmbeddedClient
 AsyncKVClient = AsyncStoreClient | AsyncEmbeddedClient

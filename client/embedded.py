@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import TracebackType
 
-from kvstore.aio import AsyncTieredStore
-from kvstore.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.client.stats import ClientStats
-from kvstore.events import Trigger
+from kvstore.client.failures import ClientStats
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
-from kvstore.stats import StoreStats
-from kvstore.store import TieredStore
+from kvstore.store.async_store import AsyncTieredStore
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk
+from kvstore.store.stats import StoreStats
+from kvstore.store.tiered_store import TieredStore
+from kvstore.wire.events import Trigger
 
 
 class EmbeddedClient:

@@ -1,4 +1,5 @@
-"""What goes wrong between a client and the daemon, and whether the caller hears of it.
+"""What goes wrong between a client and the daemon, whether the caller hears of it, and
+the counts of what degraded (``ClientStats``).
 
 Two kinds of failure, told apart here and nowhere else:
 
@@ -22,14 +23,38 @@ nothing above it sees an httpx type.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 
 import httpx
 
 from kvstore.errors import KVStoreError, TierUnavailable
-from kvstore.wire import exception_from_body
+from kvstore.wire.codes import exception_from_body
 
 DAEMON = "daemon"
+
+
+
+@dataclass
+class ClientStats:
+    """Counts since the client was created; mutated by ``ClientProtocol`` under its lock.
+
+    ``*_failed`` / ``*_dropped`` count calls that degraded because the daemon
+    could not serve them (down, too slow, 5xx, a malformed answer): a failed
+    lookup answered "nothing cached", a failed get answered misses, a dropped
+    put or event was not stored. ``corrupt_blocks`` counts received blocks
+    that failed verification and were turned into misses.
+    """
+
+    lookups_failed: int = 0
+    gets_failed: int = 0
+    puts_dropped: int = 0
+    events_dropped: int = 0
+    corrupt_blocks: int = 0
+
+    def snapshot(self) -> ClientStats:
+        return dataclasses.replace(self)
 
 
 def unavailable(detail: str) -> TierUnavailable:

@@ -31,7 +31,7 @@ large batches use one helper thread (``blocks.copy_leased``), and blocks
 received as bytes through h11 are verified on another while the next ones
 arrive (``blocks.FramesSink``; a blocking transport, which both shells use
 for bytes gets when they have one, checksums them as they land,
-``client.socket_body``): memory bandwidth, not I/O, so they live
+``client.get_body``): memory bandwidth, not I/O, so they live
 here rather than in a shell. A bytes get that fails waits for its
 verification in flight before it returns (``FramesSink.settle``), so nothing
 writes to the caller's buffers afterwards.
@@ -52,7 +52,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvstore.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.client.blocks import (
     DEFAULT_VERIFY,
     FramesSink,
@@ -63,10 +62,9 @@ from kvstore.client.blocks import (
     tier_of,
 )
 from kvstore.client.buffers import BufferPool
-from kvstore.client.failures import from_reply, unavailable
+from kvstore.client.failures import ClientStats, from_reply, unavailable
 from kvstore.client.put_body import PutBody
 from kvstore.client.shm import SharedArena
-from kvstore.client.stats import ClientStats
 from kvstore.errors import (
     ConfigError,
     KVStoreError,
@@ -74,10 +72,12 @@ from kvstore.errors import (
     TierUnavailable,
     UnknownNamespace,
 )
-from kvstore.events import SessionEvent
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
-from kvstore.stats import StoreStats, TierCounters
-from kvstore.wire import API_PREFIX, FRAMES_CONTENT_TYPE, Seal, namespace_to_json
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
+from kvstore.store.stats import StoreStats, TierCounters
+from kvstore.wire.events import SessionEvent
+from kvstore.wire.frames import FRAMES_CONTENT_TYPE, Seal
+from kvstore.wire.messages import API_PREFIX, GetTransfer, namespace_to_json
 
 T = TypeVar("T")
 
@@ -340,7 +340,7 @@ class ClientProtocol:
         self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
     ) -> Operation[Received]:
         sink = FramesSink(namespace, keys, out, self._buffers, self._verifier)
-        request = _get_request(namespace, keys, "bytes", self._finished.take())
+        request = _get_request(namespace, keys, GetTransfer.BYTES, self._finished.take())
         try:
             yield from self._namespaced(namespace, lambda: _post("/get", request, sink=sink))
         except BaseException:
@@ -359,7 +359,7 @@ class ClientProtocol:
             if self._arena is None:  # nothing to map: bytes from now on
                 self.shm = False
                 return (yield from self._get_bytes(namespace, keys, out))
-        request = _get_request(namespace, keys, "shm", self._finished.take())
+        request = _get_request(namespace, keys, GetTransfer.SHM, self._finished.take())
         lease = yield from self._namespaced(namespace, lambda: _post("/get", request))
         try:
             received = self._copy_leased(lease, namespace, keys, out)
@@ -495,13 +495,13 @@ def _post(path: str, request: Any = None, **options: Any) -> Call:
 
 
 def _get_request(
-    namespace: Namespace, keys: list[ChunkKey], transfer: str, release: list[str]
+    namespace: Namespace, keys: list[ChunkKey], transfer: GetTransfer, release: list[str]
 ) -> dict[str, Any]:
     """A get's body; ``release``: finished leases it gives back (``FinishedLeases``)."""
     request: dict[str, Any] = {
         "namespace": namespace.digest.hex(),
         "keys": [key.hex() for key in keys],
-        "transfer": transfer,
+        "transfer": transfer.value,
     }
     if release:  # only ever ids of a daemon that offered it: no field for any other
         request["release"] = release

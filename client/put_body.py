@@ -32,7 +32,7 @@ from kvstore.block import (
     payload_hasher,
 )
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.wire import Seal, encode_frames
+from kvstore.wire.frames import Seal, encode_frames
 
 # A put body goes out in views of at most this many bytes, never joined: h11
 # copies each piece it is given, and httpx's own transports copy the unsent rest

@@ -24,7 +24,7 @@ from httpcore's in these ways:
   autotuning, which setting a size would turn off.
 * The blocking stream cuts each response's head from its body, so that h11
   buffers nothing of the body and a bytes get can read it off the socket
-  itself (``BodyStream``, ``client.socket_body``).
+  itself (``BodyStream``, ``client.get_body``).
 * httpcore 1.0's blocking backend does not close a Unix socket whose
   ``connect`` fails (its asyncio backend, anyio, does): each call made while
   the daemon is down or restarting would leave a socket to the garbage
@@ -42,7 +42,7 @@ import httpcore
 import httpx
 from httpcore._backends.sync import SyncStream  # what SyncBackend itself returns
 
-from kvstore.wire import UNIX_SEND_BUFFER_BYTES
+from kvstore.wire.body import UNIX_SEND_BUFFER_BYTES
 
 # As httpcore spells it (setsockopt's argument forms).
 SocketOption = (
@@ -104,7 +104,7 @@ class AsyncTransport(httpx.AsyncHTTPTransport):
 class BodyStream(SyncStream):
     """httpcore's blocking stream, with large reads, ``sendall``, and a response's
     head cut from its body, so that a bytes get can read the body itself
-    (``client.socket_body``).
+    (``client.get_body``).
 
     After each write (a request going out), reads are in the response's head:
     a read that takes in the head's blank line returns only up to it, and keeps

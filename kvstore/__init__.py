@@ -9,27 +9,81 @@ Embedded use::
         store.put(ns, token_ids, kv_chunks)       # one tensor per full chunk
         prefix = store.lookup(ns, token_ids)      # prefix.num_tokens, prefix.tiers
         chunks = store.get(ns, prefix.keys)       # verified, bit for bit
+
+The package, one folder per audience, dependencies running one way (a test,
+``tests/layout/test_imports.py``, keeps it so)::
+
+    kvstore/*.py        the format: errors, keys, block, codec, config (the settings loader)
+    kvstore/tiers/      the tier kinds, one protocol, one registry, one module per backend
+    kvstore/store/      the embedded engine: StoreCore and its faces, placement, eviction
+    kvstore/wire/       what both ends of a socket agree on: codes, messages, frames, events
+    kvstore/server/     the daemon (``kvstore serve``), all of it
+    kvstore/client/     engines' side: connect(), the API protocol, hf/, vllm/
+    kvstore/predictor/  learning when a human returns, and placing idle KV by it
+    kvstore/cli/        the ``kvstore`` command
+
+    format  <-  tiers  <-  store  <-  wire  <-  server, client, predictor  <-  cli
+
+This module is the front door: every public name resolves on first use, so
+``import kvstore.keys`` loads neither the store nor the client.
 """
 
-from kvstore.aio import AsyncTieredStore
-from kvstore.chunk import CachedPrefix, KVChunk
-from kvstore.client import connect, connect_async
-from kvstore.config import StoreConfig, TierConfig
-from kvstore.errors import (
-    ConfigError,
-    CorruptBlock,
-    KVStoreError,
-    LayoutMismatch,
-    RequestTooLarge,
-    TierError,
-    TierFull,
-    TierUnavailable,
-    UnknownNamespace,
-)
-from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys, external_keys
-from kvstore.policy import EvictionPolicy, LRUPolicy
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierKind
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.client.connect import connect, connect_async
+    from kvstore.errors import (
+        ConfigError,
+        CorruptBlock,
+        KVStoreError,
+        LayoutMismatch,
+        RequestTooLarge,
+        TierError,
+        TierFull,
+        TierUnavailable,
+        UnknownNamespace,
+    )
+    from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys, external_keys
+    from kvstore.store.async_store import AsyncTieredStore
+    from kvstore.store.chunk import CachedPrefix, KVChunk
+    from kvstore.store.config import StoreConfig
+    from kvstore.store.eviction import EvictionPolicy, LRUPolicy
+    from kvstore.store.tiered_store import TieredStore
+    from kvstore.tiers.kinds import TierKind
+    from kvstore.tiers.registry import TierConfig
+
+# Public name -> the module that defines it.
+_PUBLIC: dict[str, str] = {
+    "AsyncTieredStore": "kvstore.store.async_store",
+    "CachedPrefix": "kvstore.store.chunk",
+    "ChunkKey": "kvstore.keys",
+    "ConfigError": "kvstore.errors",
+    "CorruptBlock": "kvstore.errors",
+    "EvictionPolicy": "kvstore.store.eviction",
+    "HashAlgo": "kvstore.keys",
+    "KVChunk": "kvstore.store.chunk",
+    "KVLayout": "kvstore.keys",
+    "KVStoreError": "kvstore.errors",
+    "LRUPolicy": "kvstore.store.eviction",
+    "LayoutMismatch": "kvstore.errors",
+    "Namespace": "kvstore.keys",
+    "RequestTooLarge": "kvstore.errors",
+    "StoreConfig": "kvstore.store.config",
+    "TierConfig": "kvstore.tiers.registry",
+    "TierError": "kvstore.errors",
+    "TierFull": "kvstore.errors",
+    "TierKind": "kvstore.tiers.kinds",
+    "TierUnavailable": "kvstore.errors",
+    "TieredStore": "kvstore.store.tiered_store",
+    "UnknownNamespace": "kvstore.errors",
+    "chunk_keys": "kvstore.keys",
+    "connect": "kvstore.client.connect",
+    "connect_async": "kvstore.client.connect",
+    "external_keys": "kvstore.keys",
+}
 
 __all__ = [
     "AsyncTieredStore",
@@ -59,3 +113,16 @@ __all__ = [
     "connect_async",
     "external_keys",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -342,7 +342,7 @@ def fill_verified(
     each step right after it is written, while it is still in cache.
 
     ``fill(step)`` must fill ``step`` exactly (a socket's ``recv_into`` loop:
-    ``kvstore.server.socket_body``), or raise. As with ``copy_verified``, what
+    ``kvstore.server.borrowed_body``), or raise. As with ``copy_verified``, what
     is checksummed is what landed in ``destination``.
     """
     header, hasher = _fill_hashing(header_bytes, destination, fill)

@@ -27,14 +27,18 @@ import enum
 import hashlib
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
-import torch
 import xxhash
 
 from kvstore.errors import ConfigError, LayoutMismatch
+
+if TYPE_CHECKING:
+    import torch
 
 KEY_BYTES = 16
 _ROOT = bytes(KEY_BYTES)
@@ -198,7 +202,7 @@ def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list
     return keys
 
 
-TokensOrKeys = Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]
+TokensOrKeys: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor | Sequence[ChunkKey]"
 
 
 def keys_of(namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
@@ -207,7 +211,10 @@ def keys_of(namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey
     Every API that takes "tokens or keys" (the store, the client) resolves
     them here, so both faces accept exactly the same inputs.
     """
-    if isinstance(tokens_or_keys, torch.Tensor):
+    # Not imported here: a caller that holds a tensor has imported torch already, and
+    # the format stays importable in a few milliseconds.
+    torch_module = sys.modules.get("torch")
+    if torch_module is not None and isinstance(tokens_or_keys, torch_module.Tensor):
         return chunk_keys(namespace, tokens_or_keys.detach().cpu().numpy())
     items = list(tokens_or_keys) if not isinstance(tokens_or_keys, np.ndarray) else None
     if items and isinstance(items[0], bytes):

@@ -1,36 +1,20 @@
-"""Return-time predictor: when a session goes idle, how soon will its human be back?
+"""Return-time predictor: when a session goes idle, how soon will its human be back,
+and where should its KV wait meanwhile?
 
-The pipeline (docs/predictor_design.md draws it whole)::
+::
 
-    events ─► sessions.SessionTracker ─► features.feature_vector ─► model.ReturnModel
-                                              online.OnlineLearner: forecast at idle,
-                                              label on return or when a horizon passes,
-                                              one step per label batch; quality.PrequentialScores
+    learning/    sessions, features, model, online learner, prequential quality:
+                 events in, calibrated P(back within h) out; knows nothing of tiers
+    placement/   policies that place an idle session's chain and order evictions
+                 (the predictor's, and the baselines it is measured against)
+    driver.py    events through tracker, learner and policy, in one order
+    service.py   the predictor inside ``kvstore serve`` (its thread, queue, lock)
+    config.py    the ``[predictor]`` table
+    replay/      ``kvstore replay``: the real store and policies over request traces
 
-Typical use, one call per event::
-
-    tracker = SessionTracker()
-    learner = OnlineLearner(ReturnModel(len(feature_names())), tracker, PrequentialScores())
-    forecast = learner.observe(event)        # a ReturnForecast when a session goes idle
-    forecast.within(600.0)                   # P(back within 10 min)
+May import: the format, ``kvstore.tiers``, ``kvstore.store`` and
+``kvstore.wire``; never the daemon or the client. The daemon is the one
+place that wires predictor and store together (``service.py`` is built by
+``kvstore.server``). ``learning`` imports nothing of ``placement``; the
+pipeline is drawn in ``docs/predictor_design.md``.
 """
-
-from kvstore.predictor.features import FEATURES, feature_names, feature_vector
-from kvstore.predictor.model import DEFAULT_HORIZONS, ReturnModel, default_prior
-from kvstore.predictor.online import OnlineLearner, ReturnForecast
-from kvstore.predictor.quality import PrequentialScores
-from kvstore.predictor.sessions import SessionState, SessionTracker
-
-__all__ = [
-    "DEFAULT_HORIZONS",
-    "FEATURES",
-    "OnlineLearner",
-    "PrequentialScores",
-    "ReturnForecast",
-    "ReturnModel",
-    "SessionState",
-    "SessionTracker",
-    "default_prior",
-    "feature_names",
-    "feature_vector",
-]

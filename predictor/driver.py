@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.events import RequestFinished, RequestStarted
 from kvstore.keys import ChunkKey
-from kvstore.predictor.online import OnlineLearner, ReturnForecast
-from kvstore.predictor.policy import Forecast, SessionPolicy
-from kvstore.predictor.sessions import SessionState, SessionTracker
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierKind
+from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
+from kvstore.predictor.learning.sessions import SessionState, SessionTracker
+from kvstore.predictor.placement.policy import Forecast, SessionPolicy
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+from kvstore.wire.events import RequestFinished, RequestStarted
 
 
 @dataclass(frozen=True)

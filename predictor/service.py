@@ -49,19 +49,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError, UnknownNamespace
-from kvstore.events import UNNAMED, RequestStarted, SessionEvent
 from kvstore.keys import ChunkKey
 from kvstore.predictor.driver import SessionDriver
-from kvstore.predictor.features import feature_names
-from kvstore.predictor.model import REHEARSAL, ReturnModel
-from kvstore.predictor.online import OnlineLearner
-from kvstore.predictor.policy import PlacementPolicy, PlannedPrefetch
-from kvstore.predictor.quality import PrequentialScores
-from kvstore.predictor.sessions import SessionTracker
-from kvstore.store import TieredStore
+from kvstore.predictor.learning.features import feature_names
+from kvstore.predictor.learning.model import REHEARSAL, ReturnModel
+from kvstore.predictor.learning.online import OnlineLearner
+from kvstore.predictor.learning.quality import PrequentialScores
+from kvstore.predictor.learning.sessions import SessionTracker
+from kvstore.predictor.placement.policy import PlacementPolicy, PlannedPrefetch
+from kvstore.store.tiered_store import TieredStore
+from kvstore.wire.events import UNNAMED, RequestStarted, SessionEvent
 
 if TYPE_CHECKING:  # kvstore.server imports this module: no import cycle at run time
-    from kvstore.server.config import PredictorConfig
+    from kvstore.predictor.config import PredictorConfig
 
 log = logging.getLogger("kvstore.predictor")
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvstore.arena import PAGE_BYTES, ExtentAllocator, round_up
+from kvstore.tiers.extents import PAGE_BYTES, ExtentAllocator, round_up
 
 P = PAGE_BYTES
 

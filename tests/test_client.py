@@ -31,7 +31,7 @@ from kvstore import (
 )
 from kvstore.client import ClientStats
 from kvstore.client.address import TOKEN_ENV
-from kvstore.stats import StoreStats
+from kvstore.store.stats import StoreStats
 
 DAEMON_TRANSPORTS = ("unix-bytes", "unix-shm", "tcp")
 EMBEDDED_TOML = """\

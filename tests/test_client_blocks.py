@@ -38,17 +38,17 @@ from kvstore import (
     chunk_keys,
 )
 from kvstore.block import HEADER_BYTES, Codec, encode_block, stored_block
-from kvstore.chunk import chunk_bytes
 from kvstore.client import blocks as client_blocks
 from kvstore.client.blocks import FramesSink, LeasedBlock, Verify, copy_leased, tier_of
 from kvstore.client.buffers import BufferPool
+from kvstore.client.get_body import SocketBody
 from kvstore.client.protocol import ClientProtocol
 from kvstore.client.shm import SharedArena
-from kvstore.client.socket_body import SocketBody
 from kvstore.client.transports import BodyStream
 from kvstore.codec import encode_payload
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey
+from kvstore.store.chunk import chunk_bytes
 from kvstore.tiers.dram import DRAMTier
 
 # -- received blocks -------------------------------------------------------------------

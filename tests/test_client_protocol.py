@@ -39,15 +39,16 @@ from kvstore import (
     chunk_keys,
 )
 from kvstore.block import HEADER_BYTES, encode_block
-from kvstore.chunk import chunk_bytes
-from kvstore.client import AsyncStoreClient, ClientStats, StoreClient, aio, sync
+from kvstore.client import AsyncStoreClient, ClientStats, StoreClient, async_client, sync_client
 from kvstore.client.address import TOKEN_ENV, Address, Scheme, bearer_token
 from kvstore.client.protocol import Call, ClientProtocol, Reply
 from kvstore.client.put_body import BODY_SLICE_BYTES
 from kvstore.client.shm import SharedArena
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, KVLayout, Namespace
-from kvstore.wire import ErrorCode, encode_frames, error_body
+from kvstore.store.chunk import chunk_bytes
+from kvstore.wire.codes import ErrorCode, error_body
+from kvstore.wire.frames import encode_frames
 
 # -- addresses -----------------------------------------------------------------------
 
@@ -404,8 +405,8 @@ def test_a_get_does_not_wait_for_its_lease_release_but_close_does(
 def test_past_the_background_limit_a_release_is_sent_in_place(
     flavour: str, leased_daemon: Callable[[FakeDaemon], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sync, "MAX_DETACHED_CALLS", 0)
-    monkeypatch.setattr(aio, "MAX_DETACHED_CALLS", 0)
+    monkeypatch.setattr(sync_client, "MAX_DETACHED_CALLS", 0)
+    monkeypatch.setattr(async_client, "MAX_DETACHED_CALLS", 0)
 
     async def body(client: Face, daemon: FakeDaemon) -> None:
         leased_daemon(daemon)

@@ -7,15 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import (
-    StoreConfig,
-    TierConfig,
-    apply_env_overrides,
-    default_cache_dir,
-    parse_size,
-)
+from kvstore.config import default_cache_dir, parse_size
 from kvstore.errors import ConfigError
-from kvstore.tiers.base import TierKind
+from kvstore.store.config import StoreConfig, apply_env_overrides
+from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.registry import TierConfig
 
 GiB = 2**30
 MiB = 2**20

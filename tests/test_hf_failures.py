@@ -22,8 +22,9 @@ from kvstore import CachedPrefix, TieredStore, TierKind
 from kvstore.block import HEADER_BYTES
 from kvstore.client.embedded import EmbeddedClient
 from kvstore.client.hf import HFKVStore
-from kvstore.config import StoreConfig, TierConfig
 from kvstore.keys import chunk_keys
+from kvstore.store.config import StoreConfig
+from kvstore.tiers.registry import TierConfig
 
 NEW_TOKENS = 6
 

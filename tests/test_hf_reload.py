@@ -19,7 +19,7 @@ from support.hf_models import CHUNK
 from transformers import DynamicCache
 
 from kvstore.client.hf import HFKVStore
-from kvstore.client.hf_cache import load_cache
+from kvstore.client.hf.loading import load_cache
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:

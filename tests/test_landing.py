@@ -1,4 +1,4 @@
-"""Blocks landing straight in reserved DRAM extents (kvstore/landing.py): published only
+"""Blocks landing straight in reserved DRAM extents (kvstore/server/landing.py): published only
 on commit, given back on abort or corruption, and room made by eviction."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from support import kv
 
 from kvstore import TieredStore
 from kvstore.block import HEADER_BYTES, Block, encode_block
-from kvstore.chunk import chunk_bytes
 from kvstore.errors import CorruptBlock
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.landing import Landing, PutAborted
-from kvstore.placement import Reserved
-from kvstore.tiers.base import TierKind
+from kvstore.server.landing import Landing, PutAborted
+from kvstore.server.serving import SharedServing
+from kvstore.store.chunk import chunk_bytes
+from kvstore.store.placement import Reserved
+from kvstore.tiers.kinds import TierKind
 
 DRAM = TierKind.DRAM
 SSD = TierKind.SSD
@@ -60,7 +61,7 @@ def test_landed_blocks_are_invisible_until_commit_then_served_bit_for_bit(
     store.register(ns)
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
-    landing = Landing(store, ns, keys)
+    landing = Landing(SharedServing(store.core), ns, keys)
     landed = _land_all(landing, keys, blocks)
     assert store.tier(DRAM).used_bytes() == 3 * 4096  # reserved: counted against capacity
     assert store.lookup(ns, keys).num_chunks == 0  # but nobody can find them
@@ -76,9 +77,9 @@ def test_an_aborted_put_leaves_free_space_and_index_as_before(store: TieredStore
     ns = kv.namespace()
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
-    store.serving.put_blocks(ns, keys[:1], blocks[:1])
+    SharedServing(store.core).put_blocks(ns, keys[:1], blocks[:1])
     before = (store.tier(DRAM).used_bytes(), store.lookup(ns, keys).tiers)
-    landing = Landing(store, ns, keys)
+    landing = Landing(SharedServing(store.core), ns, keys)
     _land_all(landing, keys[1:], blocks[1:])
     assert store.tier(DRAM).used_bytes() == 3 * 4096
     landing.abort()
@@ -93,7 +94,7 @@ def test_a_corrupt_block_gives_its_extent_back(store: TieredStore) -> None:
     keys = store.keys_for(ns, kv.tokens(1))
     data = bytearray(_blocks(ns, keys)[0].to_bytes())
     data[-1] ^= 0x01
-    landing = Landing(store, ns, keys)
+    landing = Landing(SharedServing(store.core), ns, keys)
     with pytest.raises(CorruptBlock, match="block 0: checksum mismatch"):
         _land(landing, 0, keys, bytes(data))
     assert store.tier(DRAM).used_bytes() == 0
@@ -103,11 +104,11 @@ def test_a_corrupt_block_gives_its_extent_back(store: TieredStore) -> None:
 def test_a_put_larger_than_free_space_evicts_for_its_reservations(store: TieredStore) -> None:
     ns = kv.namespace()
     old_keys = store.keys_for(ns, kv.tokens(4, start=10_000))
-    store.serving.put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
+    SharedServing(store.core).put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
     assert store.tier(DRAM).used_bytes() == 4 * 4096  # DRAM full
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
-    landing = Landing(store, ns, keys)
+    landing = Landing(SharedServing(store.core), ns, keys)
     landed = _land_all(landing, keys, blocks)
     assert landing.commit(keys, landed, None) == 3
     assert store.lookup(ns, keys).tiers == (DRAM,) * 3
@@ -124,7 +125,7 @@ def test_a_block_with_no_extent_to_be_had_falls_back_to_a_normal_admission(
         ns = kv.namespace()
         keys = no_dram.keys_for(ns, kv.tokens(2))
         blocks = _blocks(ns, keys)
-        landing = Landing(no_dram, ns, keys)
+        landing = Landing(SharedServing(no_dram.core), ns, keys)
         assert _land(landing, 0, keys, blocks[0].to_bytes()) is None
         assert landing.commit(keys, blocks, None) == 2
         assert no_dram.lookup(ns, keys).tiers == (SSD, SSD)
@@ -134,8 +135,8 @@ def test_a_key_already_held_gives_its_reservation_back_on_commit(store: TieredSt
     ns = kv.namespace()
     keys = store.keys_for(ns, kv.tokens(2))
     blocks = _blocks(ns, keys)
-    store.serving.put_blocks(ns, keys[:1], blocks[:1])
-    landing = Landing(store, ns, keys)
+    SharedServing(store.core).put_blocks(ns, keys[:1], blocks[:1])
+    landing = Landing(SharedServing(store.core), ns, keys)
     landed = _land_all(landing, keys, blocks)
     assert landing.commit(keys, landed, None) == 1  # only the new one
     assert store.tier(DRAM).used_bytes() == 2 * 4096
@@ -148,10 +149,10 @@ def test_with_no_tier_below_dram_a_landing_never_evicts() -> None:
     with TieredStore(kv.config(kv.dram(2))) as dram_only:
         ns = kv.namespace()
         old_keys = dram_only.keys_for(ns, kv.tokens(2, start=10_000))
-        dram_only.serving.put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
+        SharedServing(dram_only.core).put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
         keys = dram_only.keys_for(ns, kv.tokens(1))
         block = _blocks(ns, keys)[0]
-        landing = Landing(dram_only, ns, keys)
+        landing = Landing(SharedServing(dram_only.core), ns, keys)
         assert _land(landing, 0, keys, block.to_bytes()) is None
         assert dram_only.lookup(ns, old_keys).tiers == (DRAM, DRAM)
         assert landing.commit(keys, [block], None) == 1

@@ -1,4 +1,4 @@
-"""Scrub and flush (``kvstore.maintenance``) over real tiers."""
+"""Scrub and flush (``kvstore.store.maintenance``) over real tiers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from support import kv
 from support.kv import assert_chunks_equal
 
 from kvstore import TieredStore, TierKind
-from kvstore.config import StoreConfig
+from kvstore.store.config import StoreConfig
 
 DRAM, SSD = TierKind.DRAM, TierKind.SSD
 

@@ -9,11 +9,11 @@ import pytest
 from support import kv
 
 from kvstore import TieredStore, TierKind
-from kvstore.events import RequestFinished, RequestStarted, Trigger
 from kvstore.keys import ChunkKey, Namespace, external_keys
-from kvstore.predictor.model import DEFAULT_HORIZONS
-from kvstore.predictor.online import ReturnForecast
-from kvstore.predictor.policy import (
+from kvstore.predictor.learning.model import DEFAULT_HORIZONS
+from kvstore.predictor.learning.online import ReturnForecast
+from kvstore.predictor.learning.sessions import SessionState, SessionTracker
+from kvstore.predictor.placement.policy import (
     LRUBaseline,
     PlacementConfig,
     PlacementPolicy,
@@ -22,7 +22,7 @@ from kvstore.predictor.policy import (
     TTLPolicy,
     perfect_forecast,
 )
-from kvstore.predictor.sessions import SessionState, SessionTracker
+from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 

@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
-from kvstore.events import RequestFinished, RequestStarted, Trigger
-from kvstore.predictor.features import FEATURES, feature_names, feature_vector
-from kvstore.predictor.sessions import SessionState, SessionTracker
+from kvstore.predictor.learning.features import FEATURES, feature_names, feature_vector
+from kvstore.predictor.learning.sessions import SessionState, SessionTracker
+from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 # Monday 2024-01-01, 06:00 UTC: a quarter into the day, 1/28 into the week.
 MONDAY_6AM = datetime(2024, 1, 1, 6, tzinfo=UTC).timestamp()

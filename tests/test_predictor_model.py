@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.predictor.model import DEFAULT_HORIZONS, Rehearsal, ReturnModel, default_prior
+from kvstore.predictor.learning.model import (
+    DEFAULT_HORIZONS,
+    Rehearsal,
+    ReturnModel,
+    default_prior,
+)
 
 torch.set_num_threads(1)
 N_FEATURES = 6

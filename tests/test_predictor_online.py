@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.events import RequestFinished, RequestStarted, SessionEvent, Trigger
-from kvstore.predictor import (
+from kvstore.predictor.learning import (
     OnlineLearner,
     PrequentialScores,
     ReturnForecast,
@@ -18,6 +17,7 @@ from kvstore.predictor import (
     SessionTracker,
     feature_names,
 )
+from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
 
 torch.set_num_threads(1)
 

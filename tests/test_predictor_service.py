@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 from support import kv
 
-from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.events import UNNAMED, RequestFinished, RequestStarted, SessionEvent, Trigger
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
-from kvstore.predictor.features import feature_names
-from kvstore.predictor.model import ReturnModel, default_prior
+from kvstore.predictor.config import PredictorConfig
+from kvstore.predictor.learning.features import feature_names
+from kvstore.predictor.learning.model import ReturnModel, default_prior
 from kvstore.predictor.service import MODEL_FILE, PredictorService, load_model
-from kvstore.server.config import PredictorConfig
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierKind
+from kvstore.store.config import StoreConfig
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+from kvstore.wire.events import UNNAMED, RequestFinished, RequestStarted, SessionEvent, Trigger
 
 T0 = 1_800_000_000.0
 DRAM_SLOTS = 20

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvstore.events import RequestFinished, RequestStarted, Trigger
 from kvstore.keys import KVLayout, Namespace, chunk_keys
-from kvstore.predictor.sessions import SessionTracker
+from kvstore.predictor.learning.sessions import SessionTracker
+from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 NS = Namespace("test-model", KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, chunk_tokens=4))
 

@@ -11,11 +11,11 @@ import pytest
 
 from kvstore.cli import main
 from kvstore.errors import ConfigError
-from kvstore.events import RequestFinished, RequestStarted, Trigger
-from kvstore.predictor.features import FEATURES, feature_names
-from kvstore.predictor.model import ReturnModel
-from kvstore.predictor.online import OnlineLearner
-from kvstore.predictor.quality import PrequentialScores
+from kvstore.predictor.learning.features import FEATURES, feature_names
+from kvstore.predictor.learning.model import ReturnModel
+from kvstore.predictor.learning.online import OnlineLearner
+from kvstore.predictor.learning.quality import PrequentialScores
+from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.replay.ablation import (
     ablation,
     columns_of,
@@ -36,8 +36,8 @@ from kvstore.predictor.replay.simulator import (
     train,
 )
 from kvstore.predictor.replay.traces import load_trace
-from kvstore.predictor.sessions import SessionTracker
-from kvstore.tiers.base import TierKind
+from kvstore.tiers.kinds import TierKind
+from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 SLOT_GB = 512 * 131072 / 1e9  # one 512-token chunk of Llama-3.1-8B KV

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.events import Trigger
 from kvstore.predictor.replay.traces import TraceFormat, load_trace
+from kvstore.wire.events import Trigger
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 

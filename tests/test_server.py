@@ -24,6 +24,7 @@ from support.http_kv import error_code, get_bytes, lookup, make_chain, put, regi
 
 from kvstore import cli
 from kvstore.block import check_identity, encode_block, verify_block
+from kvstore.cli import stats as cli_stats
 from kvstore.keys import KVLayout, Namespace, chunk_keys
 
 
@@ -317,7 +318,7 @@ def test_stats_say_how_far_a_prefaulted_arena_is_populated(
             time.sleep(0.05)
     # The segment: 32 MiB of blocks and a generation counter per page.
     assert progress["populated_bytes"] == (32 << 20) + 8 * ((32 << 20) // 4096)
-    table = cli.format_stats({"daemon": {"dram_prefault": progress}})
+    table = cli_stats.format_stats({"daemon": {"dram_prefault": progress}})
     assert "DRAM arena prefault: 32.1 MiB populated (done)" in table
 
 

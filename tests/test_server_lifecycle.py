@@ -20,7 +20,7 @@ from support.daemon import Daemon
 from support.http_kv import Chain, frames_body, get_bytes, lookup, make_chain, put, register
 from support.redis_servers import RedisServer
 
-from kvstore.wire import FRAMES_CONTENT_TYPE
+from kvstore.wire.frames import FRAMES_CONTENT_TYPE
 
 # 16 arena slots of 4 KiB: one test chunk (2 KiB + header) per slot.
 SMALL_DRAM = """\

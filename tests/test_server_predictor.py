@@ -23,12 +23,13 @@ from support import kv
 from support.daemon import Daemon, DaemonStartError
 from support.http_kv import frames_body, get_bytes, lookup, make_chain, put_raw, register
 
-from kvstore.cli import format_stats, main
-from kvstore.events import RequestFinished, RequestStarted, SessionEvent, Trigger
-from kvstore.predictor.features import feature_names, feature_vector
-from kvstore.predictor.model import ReturnModel, default_prior
+from kvstore.cli import main
+from kvstore.cli.stats import format_stats
+from kvstore.predictor.learning.features import feature_names, feature_vector
+from kvstore.predictor.learning.model import ReturnModel, default_prior
+from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.service import MODEL_FILE
-from kvstore.predictor.sessions import SessionTracker
+from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
 
 T0 = 1_800_000_000.0
 STORE_TOML = """\

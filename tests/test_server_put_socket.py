@@ -1,4 +1,4 @@
-"""A put's body read straight off the connection (kvstore/server/socket_body.py), against
+"""A put's body read straight off the connection (kvstore/server/borrowed_body.py), against
 a real daemon: the connection closes after every put and clients reconnect; a client
 that hangs up or goes quiet mid-body, or a daemon stopped under a stalled put, leaves
 nothing behind; an error found early is read by a client still sending; and unsealed
@@ -23,7 +23,8 @@ import kvstore
 from kvstore.block import HEADER_BYTES, TRAILER_BYTES, encode_block
 from kvstore.client import StoreClient
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
-from kvstore.wire import FRAMES_CONTENT_TYPE, block_entries, encode_frames, namespace_to_json
+from kvstore.wire.frames import FRAMES_CONTENT_TYPE, block_entries, encode_frames
+from kvstore.wire.messages import namespace_to_json
 
 CHECKSUM_AT = 88  # the checksum's offset in a block header
 # 1 MiB chunks: a 48-block body is more than loopback TCP buffers (~36 MiB at most).

@@ -21,7 +21,8 @@ from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, 
 
 from kvstore.block import HEADER_BYTES, frame_block, parse_header, payload_view
 from kvstore.keys import Namespace
-from kvstore.wire import FRAMES_CONTENT_TYPE, block_entries, encode_frames, namespace_to_json
+from kvstore.wire.frames import FRAMES_CONTENT_TYPE, block_entries, encode_frames
+from kvstore.wire.messages import namespace_to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,8 @@ from kvstore import (
     UnknownNamespace,
     external_keys,
 )
-from kvstore.config import StoreConfig
+from kvstore.server.serving import SharedServing
+from kvstore.store.config import StoreConfig
 from kvstore.tiers.dram import DRAMTier
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
@@ -201,7 +202,7 @@ def test_a_pinned_block_is_deleted_when_its_last_pin_goes(tmp_path: Path) -> Non
         store.put(ns, kv.tokens(2), data)
         store.demote(ns, store.keys_for(ns, kv.tokens(2))[1:], to=SSD)
         keys = store.keys_for(ns, kv.tokens(2))
-        (shared,) = store.serving.share(ns, keys[:1])  # pinned, as a lease pins it
+        (shared,) = SharedServing(store.core).share(ns, keys[:1])  # pinned, as a lease pins it
         assert shared is not None
         store.pin(ns, keys[:1])  # and a second reader
         assert store.delete(ns, keys) == 2
@@ -524,7 +525,7 @@ def test_get_into_refuses_unusable_buffers(two_level: TieredStore) -> None:
 
 def test_a_full_lmdb_map_triggers_eviction_not_a_crash(tmp_path: Path) -> None:
     """Capacity set above what the map can hold: MapFullError must become eviction."""
-    from kvstore.config import TierConfig
+    from kvstore.tiers.registry import TierConfig
 
     tier = TierConfig(SSD, 1 << 30, path=tmp_path / "lmdb", map_size_bytes=256 << 10)
     with TieredStore(kv.config(tier)) as store:

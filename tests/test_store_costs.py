@@ -8,8 +8,8 @@ import pytest
 from support import kv
 
 from kvstore import TieredStore, TierKind
-from kvstore.config import CostModel, StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.store.config import CostModel, StoreConfig
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
 LLAMA_8B = 131072  # KV bytes per token, Llama-3.1-8B bf16
@@ -43,8 +43,8 @@ def test_costs_from_toml_table(tmp_path: Path) -> None:
         {"costs": {"recompute_tokens_per_s": 20000, "ssd_bytes_per_s": "7GB"}}, data_dir=tmp_path
     )
     assert config.costs.recompute_tokens_per_s == 20000
-    assert config.costs.ssd_bytes_per_s == 7e9
-    assert config.costs.dram_bytes_per_s == CostModel().dram_bytes_per_s
+    assert config.costs.bytes_per_s(TierKind.SSD) == 7e9
+    assert config.costs.bytes_per_s(TierKind.DRAM) == CostModel().bytes_per_s(TierKind.DRAM)
     with pytest.raises(ConfigError):
         StoreConfig.from_mapping({"costs": {"ssd_gbps": 7}}, data_dir=tmp_path)
     with pytest.raises(ConfigError):
@@ -53,7 +53,7 @@ def test_costs_from_toml_table(tmp_path: Path) -> None:
 
 def slow_ssd_store(tmp_path: Path) -> TieredStore:
     """DRAM over an SSD that reloads slower than recomputing (1 GB/s at 128 KiB/token)."""
-    costs = CostModel(ssd_bytes_per_s=1e9, kv_bytes_per_token=LLAMA_8B)
+    costs = CostModel(reload_bytes_per_s={TierKind.SSD: 1e9}, kv_bytes_per_token=LLAMA_8B)
     config = StoreConfig(tiers=(kv.dram(2), kv.ssd(tmp_path / "lmdb")), costs=costs)
     return TieredStore(config)
 

@@ -1,5 +1,5 @@
 """What the daemon asks of the store: received blocks stored as they came
-(``put_blocks``), bytes gets served from where blocks lie (``store.serving``), and
+(``put_blocks``), bytes gets served from where blocks lie (``SharedServing``), and
 lookups answered from memory alone (``lookup_nowait``)."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from kvstore.block import (
     parse_header,
     stored_block,
 )
-from kvstore.chunk import chunk_bytes
 from kvstore.errors import CorruptBlock
+from kvstore.server.serving import SharedServing
+from kvstore.store.chunk import chunk_bytes
 
 DRAM, SSD = TierKind.DRAM, TierKind.SSD
 
@@ -52,8 +53,9 @@ def test_put_blocks_stores_received_blocks_bit_for_bit(two_level: TieredStore) -
     keys = two_level.keys_for(ns, kv.tokens(4))
     blocks = _received(ns, keys, data)
     # The head is already cached elsewhere (None); the rest is new.
-    assert two_level.serving.put_blocks(ns, keys, [None, *blocks[1:]], session="agent-1") == 3
-    assert two_level.serving.put_blocks(ns, keys, blocks) == 1  # only the head was missing
+    serving = SharedServing(two_level.core)
+    assert serving.put_blocks(ns, keys, [None, *blocks[1:]], session="agent-1") == 3
+    assert serving.put_blocks(ns, keys, blocks) == 1  # only the head was missing
     assert two_level.lookup(ns, keys).tiers == (DRAM,) * 4
     got = two_level.get(ns, keys)
     assert [bytes(chunk.block) for chunk in got if chunk is not None and chunk.block] == [
@@ -67,7 +69,7 @@ def test_put_blocks_re_encodes_for_a_compressed_fastest_tier(tmp_path: Path) -> 
         ns = kv.namespace()
         data = kv.chunks(3)
         keys = store.keys_for(ns, kv.tokens(3))
-        assert store.serving.put_blocks(ns, keys, _received(ns, keys, data)) == 3
+        assert SharedServing(store.core).put_blocks(ns, keys, _received(ns, keys, data)) == 3
         stored = store.tier(SSD).get_many(ns.digest, keys)
         assert all(parse_header(block).codec is Codec.ZSTD for block in stored if block)
         assert_chunks_equal(store, ns, keys, data)
@@ -90,7 +92,7 @@ def test_put_blocks_refuses_a_block_that_is_not_what_it_claims(two_level: Tiered
     ]
     for blocks, error in cases:
         with pytest.raises(error):
-            two_level.serving.put_blocks(ns, keys, blocks)
+            SharedServing(two_level.core).put_blocks(ns, keys, blocks)
     # All or nothing: the good block 0 was never stored either.
     assert two_level.locate(ns, keys) == [None, None]
     assert two_level.stats().puts == 0
@@ -104,21 +106,22 @@ def test_serve_pins_what_it_will_send_until_released(tmp_path: Path) -> None:
         keys = store.keys_for(ns, kv.tokens(6))
         unknown = store.keys_for(ns, kv.tokens(1, start=10_000))
         expected = [bytes(chunk.block) for chunk in store.get(ns, keys) if chunk and chunk.block]
-        served = store.serving.serve(ns, [*keys, *unknown])
+        serving = SharedServing(store.core)
+        served = serving.serve(ns, [*keys, *unknown])
         assert served.tiers == [DRAM] * 4 + [SSD] * 2 + [None]
         framed = HEADER_BYTES + ns.layout.chunk_nbytes
         assert served.lengths == [framed] * 6 + [None]
         shared = [block for block in served.shared if block is not None]
-        assert [bytes(store.serving.arena_view(block)) for block in shared] == expected[:4]
+        assert [bytes(serving.arena_view(block)) for block in shared] == expected[:4]
         # Lost from its tier between serve and its turn (a store.delete would wait for
         # the pin): what a wiped disk or a Redis restart does.
         store.tier(SSD).delete_many(ns.digest, keys[5:])
-        below = store.serving.read_served(served, [4, 5])
+        below = serving.read_served(served, [4, 5])
         assert below[1] is None and below[0] is not None and bytes(below[0]) == expected[4]
         # Pinned: a chain that needs all of DRAM evicts around them.
         store.put(ns, kv.tokens(4, start=20_000), kv.chunks(4, seed=1))
         assert store.locate(ns, keys[:4]) == [DRAM] * 4
-        store.serving.release_served(served)
+        serving.release_served(served)
         store.put(ns, kv.tokens(4, start=30_000), kv.chunks(4, seed=2))
         assert store.locate(ns, keys[:5]) == [SSD] * 5  # evictable again: written back
         stats = store.stats()
@@ -135,7 +138,7 @@ def test_lookup_nowait_answers_from_memory_only(tmp_path: Path, clean_redis: Red
         release = threading.Event()
 
         def hold_the_lock() -> None:
-            with store._lock:
+            with store.core.lock:
                 held.set()
                 release.wait()
 

@@ -24,7 +24,8 @@ from kvstore.block import Block, check_identity, encode_block, verify_block
 from kvstore.errors import TierError, TierFull, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
 from kvstore.tiers import lmdb_tier
-from kvstore.tiers.base import Tier, TierKind
+from kvstore.tiers.base import Tier
+from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.lmdb_tier import LMDBTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)

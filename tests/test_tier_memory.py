@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.arena import PAGE_BYTES
 from kvstore.block import HEADER_BYTES, Block, encode_block, verify_block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
 from kvstore.tiers.arena_tier import ArenaTier
-from kvstore.tiers.base import StoredBlockInfo, Tier, TierKind
+from kvstore.tiers.base import StoredBlockInfo, Tier
 from kvstore.tiers.dram import DRAMTier
+from kvstore.tiers.extents import PAGE_BYTES
 from kvstore.tiers.hbm import HBMTier
+from kvstore.tiers.kinds import TierKind
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
 NS = Namespace("test-model", LAYOUT)
@@ -499,7 +500,7 @@ def test_freeing_an_extent_bumps_its_generation_in_shared_memory() -> None:
         tier.close()
 
 
-# --- reservations (blocks written in place, kvstore.landing) -----------------------------
+# --- reservations (blocks written in place, kvstore.server.landing) -----------------------------
 
 
 def test_a_reserved_extent_counts_but_is_found_only_once_published() -> None:

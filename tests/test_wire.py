@@ -10,7 +10,8 @@ import pytest
 
 from kvstore.block import HEADER_BYTES
 from kvstore.keys import ChunkKey
-from kvstore.wire import FrameDecoder, ReceivedBlock, WireError, block_entries, encode_frames
+from kvstore.wire.codes import WireError
+from kvstore.wire.frames import FrameDecoder, ReceivedBlock, block_entries, encode_frames
 
 # The decoder does not look inside blocks: any bytes will do, of every length class
 # (longer than a header, exactly one, shorter than one) and absent ones between.

@@ -24,7 +24,7 @@ alone rewritten, since": a seqlock per extent, with no ABA (counters only
 grow). An extent is only ever freed whole, so its first page's counter
 covers all of it.
 
-Reservations (the daemon's puts, ``kvstore.landing``) split the two-phase put
+Reservations (the daemon's puts, ``kvstore.server.landing``) split the two-phase put
 across calls: ``reserve`` allocates an extent that no key names, the caller
 writes the block into it (``writable``), and ``publish`` names it in the index
 or ``unreserve`` gives it back. Between the two the extent belongs to whoever
@@ -41,11 +41,12 @@ from typing import Protocol
 
 import numpy as np
 
-from kvstore.arena import ExtentAllocator
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import ChunkKey
-from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, TierKind
+from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo
+from kvstore.tiers.extents import ExtentAllocator
+from kvstore.tiers.kinds import TierKind
 
 
 class ArenaMemory(Protocol):

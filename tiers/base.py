@@ -1,4 +1,4 @@
-"""The one protocol every tier implements, and the tier kinds in hierarchy order.
+"""The one protocol every tier implements (the kinds themselves: ``tiers.kinds``).
 
 A tier is a dumb, batched byte store for encoded blocks (``kvstore.block``):
 it neither chooses what to evict nor knows about prefixes; that is the
@@ -23,7 +23,6 @@ Contract, for every implementation:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -32,34 +31,9 @@ import numpy as np
 
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.keys import ChunkKey
+from kvstore.tiers.kinds import TierKind
 
 Buffer = bytes | bytearray | memoryview
-
-
-class TierKind(enum.IntEnum):
-    """Tier kinds; the value is the position in the hierarchy, 0 = fastest."""
-
-    HBM = 0
-    DRAM = 1
-    SSD = 2
-    REDIS = 3
-
-    @property
-    def label(self) -> str:
-        """The lowercase name the wire, the config and the metrics use (``"dram"``).
-
-        Looked up, not computed: the daemon labels every chunk of every lookup,
-        and ``Enum.name`` plus ``str.lower`` cost ~0.2 us a call."""
-        return _LABELS[self]
-
-    @property
-    def shared(self) -> bool:
-        """Whether other processes write to this tier too (so no local index of it
-        is authoritative)."""
-        return self is TierKind.REDIS
-
-
-_LABELS: dict[TierKind, str] = {kind: kind.name.lower() for kind in TierKind}
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,9 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvstore.arena import PAGE_BYTES
 from kvstore.tiers.arena_tier import ArenaTier
-from kvstore.tiers.base import TierKind
+from kvstore.tiers.extents import PAGE_BYTES
+from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.prefault import Prefault
 
 

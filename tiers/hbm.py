@@ -17,7 +17,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.tiers.arena_tier import ArenaTier
-from kvstore.tiers.base import TierKind
+from kvstore.tiers.kinds import TierKind
 
 
 class DeviceArena:

@@ -62,7 +62,8 @@ import numpy as np
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
-from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, TierKind, scatter
+from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
+from kvstore.tiers.kinds import TierKind
 
 logger = logging.getLogger(__name__)
 

@@ -69,7 +69,8 @@ from redis.retry import Retry
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import ConfigError, TierFull, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
-from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, TierKind, scatter
+from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
+from kvstore.tiers.kinds import TierKind
 
 _TIER = TierKind.REDIS.label
 _NAMESPACE_BYTES = 16

@@ -36,21 +36,31 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import KVStoreError
-from kvstore.events import MAX_SESSION_CHARS
 from kvstore.keys import ChunkKey
 from kvstore.predictor.service import PredictorService
+from kvstore.server.borrowed_body import close_borrowed
 from kvstore.server.config import DaemonConfig
 from kvstore.server.connection import is_local
-from kvstore.server.events import EventLog
+from kvstore.server.event_log import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.routes import add_routes
-from kvstore.server.socket_body import close_borrowed
-from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE, DaemonState
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierKind
+from kvstore.server.serving import SharedServing
+from kvstore.server.state import (
+    EVENTS,
+    LEASES,
+    METRICS,
+    PREDICTOR,
+    SERVING,
+    STATE,
+    STORE,
+    DaemonState,
+)
+from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.dram import DRAMTier
-from kvstore.wire import ERRORS, ErrorCode, error_body, error_code_of
+from kvstore.tiers.kinds import TierKind
+from kvstore.wire.codes import ERRORS, ErrorCode, error_body, error_code_of
+from kvstore.wire.events import MAX_SESSION_CHARS
 
 log = logging.getLogger("kvstore.server")
 
@@ -78,8 +88,10 @@ def create_app(
             "lingering_time": _LINGERING_TIME_S,
         },
     )
-    leases = LeaseTable(store, ttl_s=config.lease_ttl_s, max_leases=config.max_leases)
+    serving = SharedServing(store.core)
+    leases = LeaseTable(serving, ttl_s=config.lease_ttl_s, max_leases=config.max_leases)
     app[STORE] = store
+    app[SERVING] = serving
     app[LEASES] = leases
     app[EVENTS] = EventLog(config.events_kept)
     app[METRICS] = DaemonMetrics(store, leases, predictor)
@@ -279,7 +291,7 @@ async def stats(request: web.Request) -> web.Response:
                 "leased_blocks": leases.pinned_blocks,
                 "events_received": request.app[EVENTS].received,
                 "listening": state.listening,
-                "shared_memory": store.serving.shared_memory_name,
+                "shared_memory": request.app[SERVING].shared_memory_name,
                 "draining": state.draining,
                 **_prefault_stats(store),
             },

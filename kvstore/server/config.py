@@ -33,23 +33,29 @@ level. Everything else needs a restart.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import StoreConfig, apply_env_overrides, parse_size
+from kvstore.config import (
+    CONFIG_VARIABLE,
+    TOKEN_VARIABLE,
+    env_table,
+    expand_path,
+    field_kinds,
+    parse_size,
+    read_settings,
+)
 from kvstore.errors import ConfigError
+from kvstore.predictor.config import PredictorConfig
+from kvstore.store.config import StoreConfig, apply_env_overrides
 
 SOCKET_NAME = "kvstore.sock"
-TOKEN_VARIABLE = "KVSTORE_AUTH_TOKEN"
-_ENV_PREFIX = "KVSTORE_DAEMON_"
-_PREDICTOR_ENV_PREFIX = "KVSTORE_PREDICTOR_"
+ENV_PREFIX = "KVSTORE_DAEMON_"
 # The longest path a Unix socket can bind to on Linux (sun_path is 108 bytes).
 MAX_SOCKET_PATH = 107
 RELOADABLE = frozenset({"auth_token", "lease_ttl_s", "log_level"})
@@ -139,125 +145,18 @@ class DaemonConfig:
         if not isinstance(data, Mapping):
             raise ConfigError("'daemon' must be a table: [daemon]")
         env = os.environ if environ is None else environ
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        types = field_kinds(cls)
         values: dict[str, Any] = {}
         for name, value in data.items():
             values[name] = _checked(name, value, types)
         if env.get(TOKEN_VARIABLE):
             values["auth_token"] = env[TOKEN_VARIABLE]
-        for variable, text in env.items():
-            if variable.startswith(_ENV_PREFIX):
-                name = variable[len(_ENV_PREFIX) :].lower()
-                values[name] = _checked(name, _from_env(name, text, types), types)
+        env_kinds = {**types, **dict.fromkeys(_SIZE_FIELDS, "str")}
+        for name, value in env_table(env, ENV_PREFIX, env_kinds).items():
+            values[name] = _checked(name, value, types)
         values.setdefault("socket_path", data_dir / SOCKET_NAME)
-        values["socket_path"] = Path(os.path.expanduser(str(values["socket_path"])))
+        values["socket_path"] = expand_path(values["socket_path"])
         return cls(**values)
-
-
-@dataclass(frozen=True)
-class PredictorConfig:
-    """The ``[predictor]`` table: the return-time predictor and its placement policy.
-
-    On by default: a daemon that learns nothing from its session events would
-    keep LRU placement, which is what the predictor exists to beat, and the
-    untrained model starts at the published base rates, so it never does
-    worse than a fixed rule on day one. ``enabled = false`` keeps the store's
-    LRU policy and only records events.
-
-    ``weights`` is a model file from ``kvstore train-predictor`` to start
-    from. The model the daemon learns is saved under ``<data_dir>/predictor/``
-    every ``save_interval_s`` and at shutdown, and that file, when present,
-    wins over ``weights`` on the next start (delete it to start over from
-    ``weights``). ``horizons_s`` shape a new model only; a loaded one keeps
-    its own. Session events wait in a queue of ``queue_size`` (a full queue
-    drops and counts them: events are advisory); ``tick_s`` is the timer that
-    labels passed horizons and re-places idle sessions; a session idle for
-    ``forget_after_s`` is forgotten.
-    """
-
-    enabled: bool = True
-    horizons_s: tuple[float, ...] = (60.0, 600.0, 3600.0)
-    weights: Path | None = None
-    tick_s: float = 5.0
-    save_interval_s: float = 300.0
-    queue_size: int = 10_000
-    forget_after_s: float = 86_400.0
-
-    def __post_init__(self) -> None:
-        horizons = self.horizons_s
-        if not horizons or any(not (math.isfinite(h) and h > 0) for h in horizons):
-            raise ConfigError("predictor.horizons_s must be positive numbers of seconds")
-        if any(a >= b for a, b in zip(horizons, horizons[1:], strict=False)):
-            raise ConfigError("predictor.horizons_s must be increasing")
-        for name in ("tick_s", "save_interval_s", "forget_after_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"predictor.{name} must be a positive number of seconds")
-        if self.queue_size <= 0:
-            raise ConfigError("predictor.queue_size must be positive")
-
-    @classmethod
-    def from_mapping(
-        cls, data: Mapping[str, Any], environ: Mapping[str, str] | None = None
-    ) -> PredictorConfig:
-        """Build from the ``[predictor]`` table, then ``KVSTORE_PREDICTOR_<FIELD>``."""
-        if not isinstance(data, Mapping):
-            raise ConfigError("'predictor' must be a table: [predictor]")
-        env = os.environ if environ is None else environ
-        values = dict(data)
-        for variable, text in env.items():
-            if variable.startswith(_PREDICTOR_ENV_PREFIX):
-                values[variable[len(_PREDICTOR_ENV_PREFIX) :].lower()] = _predictor_env(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(values) - known
-        if unknown:
-            raise ConfigError(
-                f"unknown predictor setting(s) {sorted(unknown)}; known: {sorted(known)}"
-            )
-        checked: dict[str, Any] = {}
-        for name, value in values.items():
-            checked[name] = _predictor_value(name, value)
-        return cls(**checked)
-
-
-def _predictor_env(text: str) -> Any:
-    """An environment value as TOML would read it (``true``, ``5``, ``[60, 600]``),
-    else as a string (a path)."""
-    words = {"yes": True, "on": True, "no": False, "off": False}
-    if text.strip().lower() in words:
-        return words[text.strip().lower()]
-    try:
-        return tomllib.loads(f"value = {text}")["value"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _predictor_value(name: str, value: Any) -> Any:
-    if name == "enabled":
-        if not isinstance(value, bool):
-            raise ConfigError(f"predictor.enabled must be true or false, not {value!r}")
-        return value
-    if name == "weights":
-        if value is None or value == "":
-            return None
-        if not isinstance(value, str):
-            raise ConfigError(f"predictor.weights must be a path, not {value!r}")
-        return Path(os.path.expanduser(value))
-    if name == "horizons_s":
-        if not isinstance(value, list | tuple) or not all(_is_number(h) for h in value):
-            raise ConfigError(f"predictor.horizons_s must be a list of seconds, not {value!r}")
-        return tuple(float(h) for h in value)
-    if name == "queue_size":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"predictor.queue_size must be an integer, not {value!r}")
-        return value
-    if not _is_number(value):
-        raise ConfigError(f"predictor.{name} must be a number of seconds, not {value!r}")
-    return float(value)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -277,16 +176,10 @@ class ServiceConfig:
         """Read ``path`` (else ``$KVSTORE_CONFIG``, else the embedded default) and
         apply the environment to both halves."""
         env = os.environ if environ is None else environ
-        if path is None and env.get("KVSTORE_CONFIG"):
-            path = env["KVSTORE_CONFIG"]
-        data: dict[str, Any] = {}
-        if path is not None:
-            try:
-                with open(path, "rb") as handle:
-                    data = tomllib.load(handle)
-            except (OSError, tomllib.TOMLDecodeError) as error:
-                raise ConfigError(f"cannot read config {path}: {error}") from error
-        predictor = PredictorConfig.from_mapping(data.pop("predictor", {}), environ=env)
+        data = read_settings(path, env)
+        if path is None:
+            path = env.get(CONFIG_VARIABLE) or None
+        predictor = PredictorConfig.from_mapping(data.get("predictor", {}), environ=env)
         store = StoreConfig.from_mapping(apply_env_overrides(data, env))
         daemon = DaemonConfig.from_mapping(
             data.get("daemon", {}), data_dir=store.data_dir, environ=env
@@ -315,25 +208,3 @@ def _checked(name: str, value: Any, types: Mapping[str, Any]) -> Any:
     if kind.startswith("str") and isinstance(value, str):
         return value
     raise ConfigError(f"daemon.{name} must be of type {kind}, not {value!r}")
-
-
-def _from_env(name: str, text: str, types: Mapping[str, Any]) -> Any:
-    """Parse an environment string by the type of field ``name``."""
-    kind = str(types.get(name, "str"))
-    lowered = text.strip().lower()
-    try:
-        if name in _SIZE_FIELDS:
-            return text
-        if kind.startswith("int"):
-            return None if lowered in ("", "none") and "None" in kind else int(lowered)
-        if kind == "float":
-            return float(lowered)
-        if kind == "bool":
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-    except ValueError:
-        raise ConfigError(f"{_ENV_PREFIX}{name.upper()}={text!r} is not of type {kind}") from None
-    return text

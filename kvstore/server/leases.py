@@ -34,9 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.serving import SharedBlock
-from kvstore.store import TieredStore
-from kvstore.wire import ErrorCode, WireError
+from kvstore.server.serving import SharedBlock, SharedServing
+from kvstore.wire.codes import ErrorCode, WireError
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +58,13 @@ class LeaseTable:
 
     def __init__(
         self,
-        store: TieredStore,
+        serving: SharedServing,
         *,
         ttl_s: float,
         max_leases: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self.serving = serving
         self.ttl_s = ttl_s  # replaced on SIGHUP; applies to leases granted afterwards
         self.max_leases = max_leases
         self._clock = clock
@@ -86,7 +85,7 @@ class LeaseTable:
                     ErrorCode.REQUEST_TOO_LARGE,
                     f"{len(self._leases)} leases outstanding; the limit is {self.max_leases}",
                 )
-            shared = self.store.serving.share(namespace, keys)
+            shared = self.serving.share(namespace, keys)
             lease = Lease(
                 id=secrets.token_hex(16),
                 namespace=namespace,
@@ -103,7 +102,7 @@ class LeaseTable:
             lease = self._leases.pop(lease_id, None)
         if lease is None:
             raise WireError(ErrorCode.UNKNOWN_LEASE, "lease does not exist (released or expired)")
-        self.store.unpin(lease.namespace, lease.keys)
+        self.serving.unpin(lease.keys)
         return len(lease.keys)
 
     def release_many(self, lease_ids: Sequence[str]) -> int:
@@ -113,7 +112,7 @@ class LeaseTable:
             popped = [self._leases.pop(lease_id, None) for lease_id in lease_ids]
         leases = [lease for lease in popped if lease is not None]
         for lease in leases:
-            self.store.unpin(lease.namespace, lease.keys)
+            self.serving.unpin(lease.keys)
         return len(leases)
 
     def expire(self) -> int:
@@ -124,7 +123,7 @@ class LeaseTable:
             for lease in expired:
                 del self._leases[lease.id]
         for lease in expired:
-            self.store.unpin(lease.namespace, lease.keys)
+            self.serving.unpin(lease.keys)
         return len(expired)
 
     def release_all(self) -> int:
@@ -133,7 +132,7 @@ class LeaseTable:
             leases = list(self._leases.values())
             self._leases.clear()
         for lease in leases:
-            self.store.unpin(lease.namespace, lease.keys)
+            self.serving.unpin(lease.keys)
         return len(leases)
 
     def next_expiry(self) -> float | None:

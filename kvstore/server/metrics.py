@@ -50,10 +50,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.events import RequestFinished, SessionEvent
 from kvstore.predictor.service import PredictorService
 from kvstore.server.leases import LeaseTable
-from kvstore.store import TieredStore
+from kvstore.store.tiered_store import TieredStore
+from kvstore.wire.events import RequestFinished, SessionEvent
 
 # Latency buckets from a cached lookup (sub-millisecond) to a large put (seconds).
 _LATENCY_BUCKETS = (

@@ -3,13 +3,13 @@ then stored (or nothing).
 
 From the socket to the store, on one worker thread per put::
 
-    socket (kvstore.server.socket_body: the body read off the connection, not
+    socket (kvstore.server.borrowed_body: the body read off the connection, not
       │     through aiohttp's buffers; Content-Length required)
       ▼
     metadata: namespace known? sizes in bounds?   (before any block is read)
       │
       ▼ per block: its header, then
-    land it (kvstore/landing.py): reserve a DRAM extent, recv_into it, checksum
+    land it (kvstore/server/landing.py): reserve a DRAM extent, recv_into it, checksum
     each step as it lands, check key, namespace, layout, one chunk; unpublished
     or, with no extent to be had: into memory ─► verify_block ─► the same checks
     (a block sent without its checksum in the header is checksummed the same
@@ -17,7 +17,7 @@ From the socket to the store, on one worker thread per put::
       │
       ▼ once the whole body is in and every block passed
     Landing.commit: landed blocks published, the others stored by
-    store.serving.put_blocks (all or nothing: a failed put gives every extent
+    serving.put_blocks (all or nothing: a failed put gives every extent
     back and stores nothing)
 
 A failed put reads and drops the rest of its body (for up to
@@ -57,25 +57,24 @@ from kvstore.block import (
     verify_block,
 )
 from kvstore.errors import CorruptBlock, LayoutMismatch
-from kvstore.events import MAX_SESSION_CHARS
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.landing import Landing, check_received
-from kvstore.placement import Reserved
+from kvstore.server.borrowed_body import SocketBody, borrow
 from kvstore.server.connection import is_local
-from kvstore.server.socket_body import SocketBody, borrow
-from kvstore.server.state import PREDICTOR, STATE, STORE
-from kvstore.store import TieredStore
-from kvstore.wire import (
+from kvstore.server.landing import Landing, check_received
+from kvstore.server.serving import SharedServing
+from kvstore.server.state import PREDICTOR, SERVING, STATE
+from kvstore.store.placement import Reserved
+from kvstore.wire.codes import ErrorCode, WireError
+from kvstore.wire.events import MAX_SESSION_CHARS
+from kvstore.wire.frames import (
     FRAMES_CONTENT_TYPE,
     META_LENGTH,
-    ErrorCode,
     FrameLimits,
     Seal,
-    WireError,
-    digest_from_hex,
     meta_length,
     parse_meta,
 )
+from kvstore.wire.messages import digest_from_hex
 
 # A compressed block may be a little larger than the raw one (zstd framing).
 _CODEC_SLACK_BYTES = 64 << 10
@@ -86,7 +85,7 @@ _DISCARD_S = 2.0
 async def put(request: web.Request) -> web.Response:
     """Receive a frames body into the store, verifying its blocks as they arrive,
     then store the batch (or nothing)."""
-    store = request.app[STORE]
+    serving = request.app[SERVING]
     state = request.app[STATE]
     if request.content_type != FRAMES_CONTENT_TYPE:
         raise WireError(ErrorCode.BAD_REQUEST, f"a put body must be {FRAMES_CONTENT_TYPE}")
@@ -94,7 +93,7 @@ async def put(request: web.Request) -> web.Response:
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
     async with state.put_slots, borrow(request, state.config.body_timeout_s) as body:
-        receiving = asyncio.to_thread(_receive, body, store, limit, is_local(request))
+        receiving = asyncio.to_thread(_receive, body, serving, limit, is_local(request))
         batch = await _to_the_end(receiving)
         if not batch.keys:
             return web.json_response({"stored": 0})
@@ -138,19 +137,19 @@ class _PutBatch:
     blocks: list[Block | Reserved | None] = field(default_factory=list)
 
 
-def _receive(body: SocketBody, store: TieredStore, limit: int, local: bool) -> _PutBatch:
+def _receive(body: SocketBody, serving: SharedServing, limit: int, local: bool) -> _PutBatch:
     """Read and check the metadata, then every block (worker thread). A failure
     gives back what landed and drains the body before raising. ``local``: the
     put came over the Unix socket, so the daemon may seal its blocks."""
     limits = FrameLimits(
-        max_blocks=store.config.max_batch_chunks,
-        max_block_bytes=HEADER_BYTES + store.config.max_chunk_bytes + _CODEC_SLACK_BYTES,
+        max_blocks=serving.config.max_batch_chunks,
+        max_block_bytes=HEADER_BYTES + serving.config.max_chunk_bytes + _CODEC_SLACK_BYTES,
     )
     batch: _PutBatch | None = None
     try:
         length = meta_length(body.read_exact(META_LENGTH.size), limits)
         meta, entries = parse_meta(body.read_exact(length), limits)
-        batch = _check_put_meta(store, meta, [key for key, _ in entries], limit, local)
+        batch = _check_put_meta(serving, meta, [key for key, _ in entries], limit, local)
         for index, (_, nbytes) in enumerate(entries):
             block = None if nbytes is None else _receive_block(body, batch, index, nbytes)
             batch.blocks.append(block)
@@ -206,10 +205,14 @@ def _receive_block(body: SocketBody, batch: _PutBatch, index: int, nbytes: int) 
 
 
 def _check_put_meta(
-    store: TieredStore, meta: dict[str, Any], keys: list[ChunkKey], limit: int, local: bool
+    serving: SharedServing,
+    meta: dict[str, Any],
+    keys: list[ChunkKey],
+    limit: int,
+    local: bool,
 ) -> _PutBatch:
     """Refuse a put by its metadata alone, before its blocks are read."""
-    namespace = store.namespace(digest_from_hex(meta.get("namespace")))
+    namespace = serving.namespace(digest_from_hex(meta.get("namespace")))
     named = meta.get("seal", Seal.HEADER.value)
     seal = next((seal for seal in Seal if seal.value == named), None)
     if seal is None:
@@ -237,7 +240,7 @@ def _check_put_meta(
         declared += length or 0
     if declared > limit:
         raise _too_large(declared, limit)
-    return _PutBatch(namespace, session, keys, Landing(store, namespace, keys), seal)
+    return _PutBatch(namespace, session, keys, Landing(serving, namespace, keys), seal)
 
 
 def _too_large(size: int, limit: int) -> WireError:

@@ -6,7 +6,7 @@ store's lock) run on worker threads, and the event loop only moves bytes;
 a lookup answerable from memory at once is answered on the loop
 (``TieredStore.lookup_nowait``).
 
-Get (``"bytes"``): ``store.serving.serve`` pins the batch, then ``frames.send_served``
+Get (``"bytes"``): ``SharedServing.serve`` pins the batch, then ``get_frames.send_served``
 streams it: DRAM blocks straight from the shared arena, the others read on a
 worker a window ahead; the pins go back when the response ends, however it
 ends.
@@ -15,27 +15,27 @@ ends.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from kvstore.events import parse_event
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.server.connection import is_local
-from kvstore.server.frames import send_served
+from kvstore.server.get_frames import send_served
 from kvstore.server.leases import Lease, LeaseTable
 from kvstore.server.put import put
-from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, STATE, STORE
-from kvstore.serving import ServedGet, SharedBlock
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierKind
+from kvstore.server.serving import ServedGet, SharedBlock, SharedServing
+from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, SERVING, STATE, STORE
+from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.dram import DRAMTier
-from kvstore.wire import (
+from kvstore.tiers.kinds import TierKind
+from kvstore.wire.codes import ErrorCode, WireError
+from kvstore.wire.events import parse_event
+from kvstore.wire.frames import Seal
+from kvstore.wire.messages import (
     API_PREFIX,
-    ErrorCode,
-    Seal,
-    WireError,
+    GetTransfer,
     digest_from_hex,
     keys_from_json,
     namespace_from_json,
@@ -116,16 +116,27 @@ async def get(request: web.Request) -> web.StreamResponse:
     (``release``), on the worker thread it needs anyway, so a shared-memory
     client that gets continuously sends one request per get, not two."""
     store = request.app[STORE]
-    leases = request.app[LEASES]
     body = await read_json(request)
     namespace, keys = _namespace_and_keys(store, body)
-    released = _released(body, leases)
-    transfer = body.get("transfer", "bytes")
-    if transfer == "bytes":
-        return await _get_bytes(request, store, leases, released, namespace, keys)
-    if transfer == "shm":
-        return await _get_shared(request, store, leases, released, namespace, keys)
-    raise WireError(ErrorCode.BAD_REQUEST, "transfer must be 'bytes' or 'shm'")
+    asked = _GetRequest(namespace, keys, _released(body, request.app[LEASES]))
+    named = body.get("transfer", GetTransfer.BYTES.value)
+    transfer = next((transfer for transfer in GetTransfer if transfer.value == named), None)
+    if transfer is GetTransfer.BYTES:
+        return await _get_bytes(request, asked)
+    if transfer is GetTransfer.SHM:
+        return await _get_shared(request, asked)
+    raise WireError(
+        ErrorCode.BAD_REQUEST, f"transfer must be one of {[t.value for t in GetTransfer]}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _GetRequest:
+    """A get as its body asked for it: the chunks, and the leases it gives back."""
+
+    namespace: Namespace
+    keys: list[ChunkKey]
+    released: list[str]
 
 
 def _released(body: dict[str, Any], leases: LeaseTable) -> list[str]:
@@ -141,42 +152,27 @@ def _released(body: dict[str, Any], leases: LeaseTable) -> list[str]:
     return ids
 
 
-async def _get_bytes(
-    request: web.Request,
-    store: TieredStore,
-    leases: LeaseTable,
-    released: list[str],
-    namespace: Namespace,
-    keys: list[ChunkKey],
-) -> web.StreamResponse:
+async def _get_bytes(request: web.Request, asked: _GetRequest) -> web.StreamResponse:
     """Stream the blocks as frames: each a complete, checksummed block, sent from
     where it lies; the pins ``serve`` took are given back however the response ends."""
-    served = await asyncio.to_thread(_serve, leases, released, namespace, keys)
+    serving = request.app[SERVING]
+    served = await asyncio.to_thread(_serve, request.app[LEASES], serving, asked)
     try:
-        return await send_served(request, store, served)
+        return await send_served(request, serving, served)
     finally:
         # Shielded: a cancelled request must still unpin, and the call may wait
         # on the store's lock, so it runs on a worker, not on the loop.
-        await asyncio.shield(asyncio.to_thread(store.serving.release_served, served))
+        await asyncio.shield(asyncio.to_thread(serving.release_served, served))
 
 
-def _serve(
-    leases: LeaseTable, released: list[str], namespace: Namespace, keys: list[ChunkKey]
-) -> ServedGet:
-    """Give back the leases ``released`` names, then pin the batch. Worker thread."""
-    if released:
-        leases.release_many(released)
-    return leases.store.serving.serve(namespace, keys)
+def _serve(leases: LeaseTable, serving: SharedServing, asked: _GetRequest) -> ServedGet:
+    """Give back the leases ``asked`` releases, then pin the batch. Worker thread."""
+    if asked.released:
+        leases.release_many(asked.released)
+    return serving.serve(asked.namespace, asked.keys)
 
 
-async def _get_shared(
-    request: web.Request,
-    store: TieredStore,
-    leases: LeaseTable,
-    released: list[str],
-    namespace: Namespace,
-    keys: list[ChunkKey],
-) -> web.Response:
+async def _get_shared(request: web.Request, asked: _GetRequest) -> web.Response:
     """Pin the DRAM blocks under a lease and say where they lie in the arena, with
     each extent's generation as it was when pinned (the client's proof, after
     copying, that the extent was not freed meanwhile: ``client.blocks``).
@@ -187,15 +183,16 @@ async def _get_shared(
     """
     if not is_local(request):
         raise WireError(ErrorCode.BAD_REQUEST, "transfer 'shm' is only offered on the Unix socket")
-    name = store.serving.shared_memory_name
+    serving = request.app[SERVING]
+    name = serving.shared_memory_name
     if name is None:
         raise WireError(ErrorCode.NOT_FOUND, "this daemon has no DRAM tier; use 'bytes'")
-    lease, shared, located = await asyncio.to_thread(_share, leases, released, namespace, keys)
-    dram = store.tier(TierKind.DRAM)
+    lease, shared, located = await asyncio.to_thread(_share, request.app[LEASES], asked)
+    dram = request.app[STORE].tier(TierKind.DRAM)
     assert isinstance(dram, DRAMTier), "a shared-memory name comes from a DRAM tier"
     entries: list[dict[str, Any]] = []
     elsewhere = iter(located)
-    for key, block in zip(keys, shared, strict=True):
+    for key, block in zip(asked.keys, shared, strict=True):
         if block is not None:
             entries.append(
                 {
@@ -224,15 +221,15 @@ async def _get_shared(
 
 
 def _share(
-    leases: LeaseTable, released: list[str], namespace: Namespace, keys: Sequence[ChunkKey]
+    leases: LeaseTable, asked: _GetRequest
 ) -> tuple[Lease, list[SharedBlock | None], list[TierKind | None]]:
-    """Give back the leases ``released`` names (first: it frees their slots), lease
+    """Give back the leases ``asked`` releases (first: it frees their slots), lease
     the DRAM blocks, and locate the others (inline or missing). Worker thread."""
-    if released:
-        leases.release_many(released)
-    lease, shared = leases.grant(namespace, keys)
-    others = [key for key, block in zip(keys, shared, strict=True) if block is None]
-    located = leases.store.locate(namespace, others) if others else []
+    if asked.released:
+        leases.release_many(asked.released)
+    lease, shared = leases.grant(asked.namespace, asked.keys)
+    others = [key for key, block in zip(asked.keys, shared, strict=True) if block is None]
+    located = leases.serving.locate(asked.namespace, others) if others else []
     return lease, shared, located
 
 
@@ -244,11 +241,11 @@ async def release_lease(request: web.Request) -> web.Response:
 async def shared_memory(request: web.Request) -> web.Response:
     if not is_local(request):
         raise WireError(ErrorCode.BAD_REQUEST, "shared memory is only offered on the Unix socket")
-    store = request.app[STORE]
-    name = store.serving.shared_memory_name
+    name = request.app[SERVING].shared_memory_name
     if name is None:
         raise WireError(ErrorCode.NOT_FOUND, "this daemon has no DRAM tier")
-    return web.json_response({"name": name, "size": store.tier(TierKind.DRAM).capacity_bytes()})
+    size = request.app[STORE].tier(TierKind.DRAM).capacity_bytes()
+    return web.json_response({"name": name, "size": size})
 
 
 # -- helpers -------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from kvstore.predictor.service import PredictorService
 from kvstore.server.app import create_app
 from kvstore.server.config import RELOADABLE, DaemonConfig, ServiceConfig
 from kvstore.server.state import LEASES, STATE, DaemonState
-from kvstore.store import TieredStore
+from kvstore.store.tiered_store import TieredStore
 
 log = logging.getLogger("kvstore.server")
 

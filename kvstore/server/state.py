@@ -3,6 +3,7 @@
 ::
 
     app[STORE]    TieredStore     the store; opened and closed by the Server, not the app
+    app[SERVING]  SharedServing   the daemon's paths into the store's core (shm, landed puts)
     app[LEASES]   LeaseTable      shared-memory leases; its expiry task lives in cleanup_ctx
     app[EVENTS]   EventLog        recent session events (issue 4's predictor reads them)
     app[METRICS]  DaemonMetrics   this app's own Prometheus registry
@@ -25,10 +26,11 @@ from aiohttp import web
 
 from kvstore.predictor.service import PredictorService
 from kvstore.server.config import DaemonConfig
-from kvstore.server.events import EventLog
+from kvstore.server.event_log import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
-from kvstore.store import TieredStore
+from kvstore.server.serving import SharedServing
+from kvstore.store.tiered_store import TieredStore
 
 
 @dataclass
@@ -52,6 +54,7 @@ class DaemonState:
 
 
 STORE = web.AppKey("store", TieredStore)
+SERVING = web.AppKey("serving", SharedServing)
 LEASES = web.AppKey("leases", LeaseTable)
 EVENTS = web.AppKey("events", EventLog)
 METRICS = web.AppKey("metrics", DaemonMetrics)

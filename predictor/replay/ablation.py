@@ -33,15 +33,15 @@ import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.events import RequestStarted
 from kvstore.keys import Namespace
-from kvstore.predictor.features import FEATURES, feature_names, feature_vector
-from kvstore.predictor.model import DEFAULT_LR, REHEARSAL, Rehearsal, ReturnModel
-from kvstore.predictor.quality import PrequentialScores
+from kvstore.predictor.learning.features import FEATURES, feature_names, feature_vector
+from kvstore.predictor.learning.model import DEFAULT_LR, REHEARSAL, Rehearsal, ReturnModel
+from kvstore.predictor.learning.quality import PrequentialScores
+from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.replay.costs import DECODE_TOKENS_PER_S, stand_in_layout
-from kvstore.predictor.replay.events import BlockKeys, Step, finished_event, session_events
+from kvstore.predictor.replay.timeline import BlockKeys, Step, finished_event, session_events
 from kvstore.predictor.replay.traces import Trace
-from kvstore.predictor.sessions import SessionTracker
+from kvstore.wire.events import RequestStarted
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.arena import PAGE_BYTES, round_up
 from kvstore.block import HEADER_BYTES
-from kvstore.config import CostModel
 from kvstore.keys import KVLayout
-from kvstore.tiers.base import TierKind
+from kvstore.store.config import CostModel
+from kvstore.tiers.extents import PAGE_BYTES, round_up
+from kvstore.tiers.kinds import TierKind
 
 LLAMA_8B_KV_BYTES_PER_TOKEN = 131072
 """Llama-3.1-8B, bf16: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes."""

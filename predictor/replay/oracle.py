@@ -27,7 +27,7 @@ from statistics import NormalDist
 import numpy as np
 
 from kvstore.errors import ConfigError
-from kvstore.predictor.online import ReturnForecast
+from kvstore.predictor.learning.online import ReturnForecast
 
 
 class BlurredOracle:

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
-from kvstore.predictor.policy import (
+from kvstore.predictor.placement.policy import (
     LRUBaseline,
     PlacementConfig,
     PlacementPolicy,

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvstore.predictor.replay.simulator import PolicyResult, ReplayConfig
 from kvstore.predictor.replay.traces import Trace
-from kvstore.tiers.base import TierKind
+from kvstore.tiers.kinds import TierKind
 
 
 def _clean(value: Any) -> Any:

@@ -46,23 +46,21 @@ from pathlib import Path
 
 import torch
 
-from kvstore.config import CostModel, StoreConfig, TierConfig
 from kvstore.errors import ConfigError
-from kvstore.events import RequestStarted
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.policy import EvictionPolicy
 from kvstore.predictor.driver import SessionDriver
-from kvstore.predictor.features import feature_names
-from kvstore.predictor.model import DEFAULT_HORIZONS, REHEARSAL, Rehearsal, ReturnModel
-from kvstore.predictor.online import OnlineLearner, ReturnForecast
-from kvstore.predictor.policy import (
+from kvstore.predictor.learning.features import feature_names
+from kvstore.predictor.learning.model import DEFAULT_HORIZONS, REHEARSAL, Rehearsal, ReturnModel
+from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
+from kvstore.predictor.learning.quality import PrequentialScores
+from kvstore.predictor.learning.sessions import SessionTracker
+from kvstore.predictor.placement.policy import (
     PlacementConfig,
     PlacementPolicy,
     PrefetchStats,
     SessionPolicy,
     perfect_forecast,
 )
-from kvstore.predictor.quality import PrequentialScores
 from kvstore.predictor.replay.costs import (
     DECODE_TOKENS_PER_S,
     LLAMA_8B_KV_BYTES_PER_TOKEN,
@@ -71,7 +69,9 @@ from kvstore.predictor.replay.costs import (
     stand_in_capacity,
     stand_in_layout,
 )
-from kvstore.predictor.replay.events import (
+from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
+from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, make_policy, parse_policies
+from kvstore.predictor.replay.timeline import (
     BlockKeys,
     ReplayEvent,
     Step,
@@ -79,13 +79,14 @@ from kvstore.predictor.replay.events import (
     requests_of,
     session_events,
 )
-from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
-from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, make_policy, parse_policies
 from kvstore.predictor.replay.traces import Trace, TraceRequest
 from kvstore.predictor.replay.training import train
-from kvstore.predictor.sessions import SessionTracker
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierKind
+from kvstore.store.config import CostModel, StoreConfig
+from kvstore.store.eviction import EvictionPolicy
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.registry import TierConfig
+from kvstore.wire.events import RequestStarted
 
 Progress = Callable[[str, int, int], None]
 """``progress(policy, requests done, requests in all)``."""

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from kvstore.errors import ConfigError
-from kvstore.events import Trigger
+from kvstore.wire.events import Trigger
 
 MOONCAKE_BLOCK_TOKENS = 512
 MIN_SHARED_BLOCKS = 2

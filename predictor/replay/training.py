@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.events import RequestStarted
 from kvstore.keys import Namespace
-from kvstore.predictor.model import ReturnModel
-from kvstore.predictor.online import OnlineLearner
-from kvstore.predictor.quality import PrequentialScores
+from kvstore.predictor.learning.model import ReturnModel
+from kvstore.predictor.learning.online import OnlineLearner
+from kvstore.predictor.learning.quality import PrequentialScores
+from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.replay.costs import DECODE_TOKENS_PER_S, stand_in_layout
-from kvstore.predictor.replay.events import BlockKeys, Step, finished_event, session_events
+from kvstore.predictor.replay.timeline import BlockKeys, Step, finished_event, session_events
 from kvstore.predictor.replay.traces import Trace
-from kvstore.predictor.sessions import SessionTracker
+from kvstore.wire.events import RequestStarted
 
 
 def train(

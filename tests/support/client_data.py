@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from kvstore.block import encode_block
-from kvstore.chunk import chunk_bytes
 from kvstore.client.blocks import FramesSink
 from kvstore.client.shm import SharedArena
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
-from kvstore.wire import encode_frames
+from kvstore.store.chunk import chunk_bytes
+from kvstore.wire.frames import encode_frames
 from support import kv
 
 NS = kv.namespace(salt="protocol")

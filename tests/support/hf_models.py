@@ -20,7 +20,8 @@ from transformers import (
 
 from kvstore import TieredStore, TierKind
 from kvstore.client.embedded import EmbeddedClient
-from kvstore.config import StoreConfig, TierConfig
+from kvstore.store.config import StoreConfig
+from kvstore.tiers.registry import TierConfig
 
 CHUNK = 16
 VOCAB = 256

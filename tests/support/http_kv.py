@@ -16,15 +16,10 @@ import httpx
 import pytest
 
 from kvstore.block import check_identity, encode_block, payload_view, verify_block
-from kvstore.chunk import chunk_bytes
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
-from kvstore.wire import (
-    FRAMES_CONTENT_TYPE,
-    FrameDecoder,
-    block_entries,
-    encode_frames,
-    namespace_to_json,
-)
+from kvstore.store.chunk import chunk_bytes
+from kvstore.wire.frames import FRAMES_CONTENT_TYPE, FrameDecoder, block_entries, encode_frames
+from kvstore.wire.messages import namespace_to_json
 from support import kv
 from support.daemon import Daemon
 

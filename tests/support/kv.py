@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from kvstore.block import HEADER_BYTES
-from kvstore.config import StoreConfig, TierConfig
 from kvstore.keys import ChunkKey, KVLayout, Namespace
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierKind
+from kvstore.store.config import StoreConfig
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.registry import TierConfig
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
 # One chunk's stored size in an arena (header + payload, rounded to the 4 KiB page).

@@ -36,10 +36,10 @@ from vllm.v1.core import kv_cache_utils  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore.block import HEADER_BYTES  # noqa: E402
-from kvstore.client.vllm_pages import PageFormat  # noqa: E402
+from kvstore.client.vllm.pages import PageFormat  # noqa: E402
 from kvstore.keys import ChunkKey, Namespace  # noqa: E402
-from kvstore.stats import StoreStats  # noqa: E402
-from kvstore.tiers.base import TierKind  # noqa: E402
+from kvstore.store.stats import StoreStats  # noqa: E402
+from kvstore.tiers.kinds import TierKind  # noqa: E402
 
 BLOCK = 32  # the CPU backend needs a multiple of 32
 PROMPT_TOKENS = 100  # three full blocks and a partial one

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from kvstore.client.vllm_pages import BlockTransfer, PageFormat
+from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.errors import ConfigError
 from kvstore.keys import HashAlgo
 

@@ -1,0 +1,195 @@
+"""``KVStoreConnector``: vLLM loads cached prefixes from kvstore instead of recomputing them.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore.client.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"url": "unix:///run/kvstore.sock"}}'
+
+Process split. vLLM builds one connector per role, in different processes
+that share nothing but the metadata vLLM passes and the kvstore daemon:
+
+* scheduler side (EngineCore process, ``client.vllm.scheduler``):
+  ``get_num_new_matched_tokens`` looks up the request's block hashes beyond
+  vLLM's own prefix hit (one ``lookup`` round trip) and answers how many
+  tokens are loadable, synchronously; ``update_state_after_alloc`` turns the
+  hit into a load plan on the blocks vLLM allocated; ``build_connector_meta``
+  adds the save plan of the blocks each step completes.
+* worker side (each worker process, ``client.vllm.worker``): ``start_load_kv``
+  runs the loads before the forward (vLLM calls it first when a step has
+  synchronous loads), ``wait_for_save`` runs the saves after it;
+  ``wait_for_layer_load`` and ``save_kv_layer`` have nothing to do.
+
+What travels in the metadata (``KVStoreConnectorMetadata``): two lists of
+``BlockTransfer`` (request id, ``cache_salt``, vLLM's block hashes from
+block 0, the first moving block and the vLLM block ids it lands in). Workers
+derive keys from the hashes themselves, each in its own tensor-parallel
+namespace. The page format both sides assume is in ``client.vllm.pages``.
+
+Failure handling. A block that misses, fails verification or cannot be
+fetched (daemon down or slow) is never copied into vLLM's cache: its block id
+is reported through ``get_block_ids_with_load_errors``, vLLM rolls the request
+back to that block, discards the step's work for it and recomputes; set
+``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``,
+fails the request instead). A request with a failed load saves nothing in
+that step. A lookup that fails answers zero tokens, a save that fails is
+logged and dropped: the store is a cache, and the engine never stops for it.
+
+Extra config keys: ``url`` (default ``$KVSTORE_URL``, else the daemon's
+default socket), ``timeout_s`` (per I/O phase, default 2), ``batch_blocks``
+(blocks per get/put, default 32).
+
+Limits: one KV cache group of plain attention (no hybrid, no MLA); with
+tensor parallelism the scheduler asks rank 0's namespace and other ranks
+report what they lack as load errors; loads are synchronous, not layer-wise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as error:  # the main test suite and plain installs have no vLLM
+    raise ImportError(
+        "kvstore.client.vllm is a vLLM KV connector and needs vLLM installed "
+        "(`make install-vllm` builds a virtual environment with the CPU build)"
+    ) from error
+
+import torch
+
+from kvstore.client.connect import KVClient, connect
+from kvstore.client.vllm.pages import BlockTransfer, PageFormat
+from kvstore.client.vllm.scheduler import SchedulerSide
+from kvstore.client.vllm.worker import WorkerSide
+from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+DEFAULT_URL = f"unix://{Path.home() / '.cache' / 'kvstore' / 'kvstore.sock'}"
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler side to every worker."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's ``KVConnectorBase_V1`` over a kvstore daemon; see the module docstring."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = self._kv_transfer_config
+        url = transfer_config.get_from_extra_config("url", None)
+        url = url or os.environ.get("KVSTORE_URL") or DEFAULT_URL
+        timeout_s = float(transfer_config.get_from_extra_config("timeout_s", 2.0))
+        batch_blocks = int(transfer_config.get_from_extra_config("batch_blocks", 32))
+        self._store: KVClient = connect(url, timeout_s=timeout_s)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            pages = PageFormat.from_vllm(vllm_config, kv_cache_config, tp_rank=0)
+            cache_config = vllm_config.cache_config
+            hash_block_size = cache_config.hash_block_size or cache_config.block_size
+            self._scheduler = SchedulerSide(self._store, pages, int(hash_block_size))
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            pages = PageFormat.from_vllm(
+                vllm_config, kv_cache_config, tp_rank=get_tensor_model_parallel_rank()
+            )
+            self._worker = WorkerSide(self._store, pages, batch_blocks)
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise ConfigError("scheduler method called on a worker-side kvstore connector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise ConfigError("worker method called on a scheduler-side kvstore connector")
+        return self._worker
+
+    # -- worker side -----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVStoreConnectorMetadata)
+        self.worker_side.load(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: ``start_load_kv`` loaded every layer before the forward."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: ``wait_for_save`` copies all layers' pages of a block at once."""
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVStoreConnectorMetadata)
+        self.worker_side.save(metadata.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_failed_blocks()
+
+    def shutdown(self) -> None:
+        self._store.close()
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()[0]
+        self.scheduler_side.allocated(request, list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        loads, saves = self.scheduler_side.step(scheduler_output)
+        return KVStoreConnectorMetadata(loads=loads, saves=saves)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler_side.finished(request)
+        return False, None

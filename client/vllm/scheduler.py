@@ -1,0 +1,168 @@
+"""The scheduler side of the vLLM connector: what to load and what to save, per step.
+
+It runs in vLLM's EngineCore process and never touches KV itself. For each
+new request it asks the store how many of the request's blocks beyond vLLM's
+own prefix hit are cached (one ``lookup``), and once vLLM has allocated blocks
+it plans the loads; at the end of every ``schedule()`` it plans the saves of
+the blocks that step completes. Both plans travel to the workers as
+``BlockTransfer`` lists in the connector metadata.
+
+Save planning keeps one watermark per request: blocks below it are saved,
+loaded or were a local hit. A step saves the blocks it completes (every
+token's KV computed, the block's hash known) above the watermark. When vLLM
+rolls a request back (a failed load, a preemption), the step after starts
+below the watermark and the watermark follows it down, so recomputed blocks
+are saved again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.client.connect import KVClient
+from kvstore.client.vllm.pages import BlockTransfer, PageFormat
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.client.vllm")
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows from allocation to its end."""
+
+    request: Any  # vllm.v1.request.Request (this process's own object)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # watermark: blocks below it need no save
+
+
+class SchedulerSide:
+    """Lookups, load plans and save plans; see the module docstring."""
+
+    def __init__(self, store: KVClient, pages: PageFormat, hash_block_size: int) -> None:
+        if hash_block_size <= 0 or pages.block_size % hash_block_size:
+            raise KVStoreError(
+                f"vLLM's block size {pages.block_size} is not a multiple of its hash block "
+                f"size {hash_block_size}"
+            )
+        self._store = store
+        self._pages = pages
+        self._hashes_per_block = pages.block_size // hash_block_size
+        self._local: dict[str, int] = {}  # req id -> vLLM's local hit at the last query
+        self._loads: dict[str, BlockTransfer] = {}
+        self._tracked: dict[str, _Tracked] = {}
+
+    def block_hashes(self, request: Any) -> list[bytes]:
+        """vLLM's hash of each full KV block of ``request``.
+
+        vLLM may hash finer than it allocates (``hash_block_size``); the hashes
+        are chained, so the last hash inside a block names the whole prefix up
+        to the block's end.
+        """
+        step = self._hashes_per_block
+        return [bytes(h) for h in request.block_hashes[step - 1 :: step]]
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that kvstore holds.
+
+        Only whole blocks count, and never the block holding the request's last
+        token: vLLM must compute at least one token to sample from.
+        """
+        size = self._pages.block_size
+        hashes = self.block_hashes(request)
+        loadable = min(len(hashes), (request.num_tokens - 1) // size)
+        first = num_computed_tokens // size
+        self._local[request.request_id] = num_computed_tokens
+        if loadable <= first:
+            return 0
+        try:
+            prefix = self._store.lookup(
+                self._pages.namespace(request.cache_salt),
+                self._pages.keys(request.cache_salt, hashes[:loadable]),
+            )
+        except KVStoreError as error:
+            log.warning("kvstore lookup for request %s failed: %s", request.request_id, error)
+            return 0
+        cached = prefix.num_chunks if prefix.load_chunks is None else prefix.load_chunks
+        return max(0, min(cached, prefix.num_chunks) - first) * size
+
+    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load."""
+        req_id = request.request_id
+        self._tracked[req_id] = _Tracked(request, list(block_ids))
+        self._loads.pop(req_id, None)
+        if num_external_tokens <= 0:
+            return
+        size = self._pages.block_size
+        first = self._local.get(req_id, 0) // size
+        end = first + num_external_tokens // size
+        hashes = self.block_hashes(request)
+        if end > len(hashes) or end > len(block_ids) or num_external_tokens % size:
+            raise KVStoreError(
+                f"vLLM asked to load {num_external_tokens} tokens of request {req_id} from "
+                f"block {first}, past its {len(hashes)} hashed and {len(block_ids)} allocated "
+                f"blocks"
+            )
+        self._loads[req_id] = BlockTransfer(
+            req_id, request.cache_salt, tuple(hashes[:end]), first, tuple(block_ids[first:end])
+        )
+
+    def step(self, scheduler_output: Any) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
+        """This step's loads and saves (``build_connector_meta``); resets the pending loads."""
+        loads = list(self._loads.values())
+        self._loads.clear()
+        saves: list[BlockTransfer] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            tracked.saved = new.num_computed_tokens // self._pages.block_size
+            self._plan_save(tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0), saves)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_block_ids = cached.new_block_ids[index]
+            computed = cached.num_computed_tokens[index]
+            if req_id in cached.resumed_req_ids:
+                # Back from preemption: new_block_ids is its whole block list, and
+                # what it computes from here on is all that is new to save.
+                tracked.block_ids = list(new_block_ids[0]) if new_block_ids else []
+                tracked.saved = computed // self._pages.block_size
+            elif new_block_ids is not None:
+                tracked.block_ids.extend(new_block_ids[0])
+            tracked.saved = min(tracked.saved, computed // self._pages.block_size)
+            self._plan_save(tracked, computed, scheduled.get(req_id, 0), saves)
+        return loads, saves
+
+    def _plan_save(
+        self, tracked: _Tracked, computed: int, scheduled: int, saves: list[BlockTransfer]
+    ) -> None:
+        hashes = self.block_hashes(tracked.request)
+        end = min(
+            len(hashes), len(tracked.block_ids), (computed + scheduled) // self._pages.block_size
+        )
+        if end <= tracked.saved:
+            return
+        request = tracked.request
+        saves.append(
+            BlockTransfer(
+                request.request_id,
+                request.cache_salt,
+                tuple(hashes[:end]),
+                tracked.saved,
+                tuple(tracked.block_ids[tracked.saved : end]),
+            )
+        )
+        tracked.saved = end
+
+    def finished(self, request: Any) -> None:
+        """Forget ``request`` (``request_finished``): its blocks are about to be freed."""
+        req_id = request.request_id
+        self._tracked.pop(req_id, None)
+        self._loads.pop(req_id, None)
+        self._local.pop(req_id, None)

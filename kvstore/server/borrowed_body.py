@@ -1,0 +1,148 @@
+"""A request body read straight off the connection's socket, on a worker thread.
+
+Why: aiohttp hands a body over as a fresh ``bytes`` per socket read (256 KiB),
+which a put then copied a second time, into its reserved DRAM extent. On a
+put of 128 MiB that copy, the allocations and the event loop's share of the
+work cost the daemon about twice the CPU a bare aiohttp app spends reading
+the same body. Read with ``recv_into`` straight into the extent, the
+kernel's copy is the only one, and each step is checksummed while it is
+still in cache (``block.fill_verified``).
+
+How the connection is borrowed from aiohttp (``borrow``)::
+
+    transport.pause_reading()       no more reads into aiohttp's buffer ...
+    await asyncio.sleep(0)          ... once a read already queued this loop
+                                    iteration has run
+    request.content.read_nowait()   what aiohttp buffered: the body's first bytes
+    pause_reading() again           aiohttp's flow control may have resumed it
+    ── worker thread: recv_into on a duplicate of the socket's descriptor,
+       waiting in poll() slices, until Content-Length bytes were read ──
+    request.content.feed_eof()      aiohttp sees the body as read ...
+    Connection: close               ... but its parser still counts the bytes we
+                                    took, so the connection ends with the response
+
+One reconnect per put (~0.1 ms on a Unix socket) buys the copy. Only bodies
+with a ``Content-Length`` can be borrowed: chunked encoding would need
+parsing here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from aiohttp import web
+
+from kvstore.server.connection import connection_socket
+from kvstore.wire.body import BodyReader
+from kvstore.wire.codes import ErrorCode, WireError
+
+# Requests whose connection a handler borrowed: their responses close it.
+BORROWED = web.RequestKey("borrowed_socket", bool)
+# poll() waits in slices this long, so that a connection aiohttp closed (the
+# daemon stopping) is noticed within one.
+_POLL_SLICE_S = 0.25
+_DISCARD_BYTES = 1 << 20
+
+
+class SocketBody(BodyReader):
+    """A body of ``length`` bytes, none read yet: what aiohttp had buffered, then the
+    socket. Blocking; one worker thread at a time.
+
+    ``idle_timeout_s``: a client that sends nothing for this long is cut off.
+    ``closed()``: whether the connection was closed under us (checked between
+    polls), which ends the read as a hang-up would.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        buffered: bytes,
+        length: int,
+        idle_timeout_s: float,
+        closed: Callable[[], bool],
+    ) -> None:
+        super().__init__(buffered, length)
+        self._sock = sock
+        self._idle_timeout_s = idle_timeout_s
+        self._closed = closed
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+
+    def discard(self, deadline_s: float) -> None:
+        """Read and drop the rest of the body for at most ``deadline_s`` seconds, so
+        that a client still sending reads the error answer instead of a reset."""
+        until = time.monotonic() + deadline_s
+        with contextlib.suppress(WireError):  # gone or quiet: nothing more to wait for
+            while self.remaining and time.monotonic() < until:
+                self.skip(min(_DISCARD_BYTES, self.remaining))
+
+    def _receive(self, view: memoryview) -> int:
+        quiet_since = time.monotonic()
+        while True:
+            try:
+                received = self._sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                received = None
+            except OSError as error:
+                raise WireError(
+                    ErrorCode.MALFORMED_BODY, f"connection failed mid-body: {error}"
+                ) from None
+            if received == 0:
+                raise WireError(ErrorCode.MALFORMED_BODY, "client hung up mid-body")
+            if received is not None:
+                return received
+            if self._closed():
+                raise WireError(ErrorCode.UNAVAILABLE, "connection closed mid-body")
+            if time.monotonic() - quiet_since > self._idle_timeout_s:
+                raise WireError(
+                    ErrorCode.MALFORMED_BODY,
+                    f"no body bytes for {self._idle_timeout_s:g} s; giving up",
+                )
+            self._poller.poll(_POLL_SLICE_S * 1000)
+
+
+@asynccontextmanager
+async def borrow(request: web.Request, idle_timeout_s: float) -> AsyncIterator[SocketBody]:
+    """Take the rest of ``request``'s body off aiohttp (see the module docstring).
+
+    The response to ``request``, whatever it is, closes the connection
+    (``close_borrowed``, an ``on_response_prepare`` hook). Raises ``WireError``
+    if the body has no ``Content-Length``.
+    """
+    length = request.content_length
+    transport = request.transport
+    if length is None or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+        raise WireError(ErrorCode.LENGTH_REQUIRED, "a put body needs a Content-Length")
+    raw = connection_socket(request)
+    if transport is None or raw is None:
+        raise WireError(ErrorCode.UNAVAILABLE, "the connection is gone")
+    request[BORROWED] = True
+    transport.pause_reading()
+    await asyncio.sleep(0)  # a read queued before the pause lands in request.content
+    buffered = request.content.read_nowait(-1)
+    if transport.is_reading():  # aiohttp's flow control resumed it while draining
+        transport.pause_reading()
+    # A duplicate descriptor of the same socket (non-blocking, like the original):
+    # ours to read from and close, while aiohttp keeps its own for the response.
+    sock = socket.socket(fileno=os.dup(raw.fileno()))
+    try:
+        yield SocketBody(sock, buffered, length, idle_timeout_s, transport.is_closing)
+    finally:
+        sock.close()
+        request.content.feed_eof()
+
+
+async def close_borrowed(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: end the connection after answering a request whose
+    body was borrowed; aiohttp's parser would read the next request as body.
+    (The hook runs after aiohttp chose its headers, so the header is set here.)"""
+    if request.get(BORROWED):
+        response.force_close()
+        response.headers["Connection"] = "close"

@@ -1,0 +1,319 @@
+"""The daemon's half of the store: blocks served from shared memory, and received ones stored.
+
+A ``TieredStore`` is all an embedded engine needs. A daemon serving other
+processes needs two more paths:
+
+* out: a same-host client copies blocks straight out of the arena under a
+  lease (``share``), and a bytes get sends them from where they lie
+  (``serve`` / ``read_served`` / ``release_served``);
+* in: received blocks are stored as they came (``put_blocks``), and a put's
+  blocks are copied from the received pieces straight into
+  reserved arena space and verified there (``reserve_dram`` ... ``put_landed``,
+  driven by ``kvstore.server.landing``).
+
+The daemon builds one ``SharedServing`` over its store's ``StoreCore``
+(``TieredStore.core``). It keeps no state of its own: it works under the
+core's lock on the core's index, placement and counters, through the core's
+public members only, as ``TieredStore`` itself does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.block import HEADER_BYTES, Block, check_whole_chunk, encode_block, parse_header
+from kvstore.codec import Codec
+from kvstore.errors import CorruptBlock, KVStoreError
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.store.config import StoreConfig
+from kvstore.store.core import StoreCore
+from kvstore.store.placement import Reserved
+from kvstore.tiers.dram import DRAMTier
+from kvstore.tiers.kinds import TierKind
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBlock:
+    """Where a pinned block lies in the DRAM arena's shared memory."""
+
+    key: ChunkKey
+    offset: int
+    nbytes: int
+    generation: int = 0  # of its extent when pinned (``ArenaTier.extent_of``)
+
+
+@dataclass(slots=True)
+class ServedGet:
+    """A get whose caller sends each block from where it lies (``SharedServing.serve``).
+
+    Block ``i`` is ``shared[i]`` when DRAM holds it: the caller sends a view of
+    the arena (``arena_view``) instead of a copy. Otherwise, if ``lengths[i]``
+    is not ``None``, a lower tier holds it and ``read_served`` fetches it.
+    ``lengths`` are known before anything is read, so a response can state
+    every block's size up front; ``None`` is a miss. ``tiers[i]`` is the tier
+    the block was found in. Every key in ``pinned`` stays pinned (not evictable)
+    until ``release_served``. ``lost`` counts blocks that ``read_served`` found
+    gone after all.
+    """
+
+    namespace: Namespace
+    keys: list[ChunkKey]
+    shared: list[SharedBlock | None]
+    lengths: list[int | None]
+    tiers: list[TierKind | None]
+    pinned: list[ChunkKey]
+    lost: int = 0
+
+
+class SharedServing:
+    """Shared-memory gets and landed puts over one ``TieredStore`` (module docstring)."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._core.config
+
+    def _dram(self) -> DRAMTier | None:
+        guarded = self._core.placement.tiers.get(TierKind.DRAM)
+        return guarded.tier if guarded is not None and isinstance(guarded.tier, DRAMTier) else None
+
+    @property
+    def shared_memory_name(self) -> str | None:
+        """Name of the DRAM arena's shared-memory segment (``None`` without a DRAM tier)."""
+        dram = self._dram()
+        return dram.arena.name if dram is not None else None
+
+    def share(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[SharedBlock | None]:
+        """Pin each key held in DRAM and say where its block lies in the shared arena.
+
+        For same-host clients that map the arena (``shared_memory_name``) and
+        copy blocks out themselves. Every key returned (not ``None``) stays
+        pinned, so it cannot be evicted and its extent cannot be reused, until
+        the caller ``unpin``s it. Keys not in DRAM are ``None`` and not pinned.
+        The blocks shared count as DRAM hits.
+        """
+        dram = self._dram()
+        with self._core.lock:
+            self._core.check_open()
+            shared = [self._pin_shared(dram, namespace, key) for key in keys]
+            self._count_shared(shared)
+        return shared
+
+    def serve(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> ServedGet:
+        """Begin a get that the caller sends block by block (the daemon's bytes get).
+
+        Blocks in DRAM are pinned and shared, to be sent straight from the
+        arena; the others are located and pinned, to be read with
+        ``read_served`` as the sending reaches them. A block read from a
+        compressed tier is sent re-framed uncompressed, so every block's length
+        is known now. Always end with ``release_served``, whatever happened.
+        """
+        keys = list(keys)
+        located = self._core.locate(namespace, keys)
+        dram = self._dram()
+        framed_bytes = HEADER_BYTES + namespace.layout.chunk_nbytes
+        with self._core.lock:
+            self._core.check_open()
+            shared = [
+                None if tier is None else self._pin_shared(dram, namespace, key)
+                for key, tier in zip(keys, located, strict=True)
+            ]
+            elsewhere = [
+                key
+                for key, block, tier in zip(keys, shared, located, strict=True)
+                if block is None and tier is not None
+            ]
+            pinned = [block.key for block in shared if block is not None]
+            pinned += self._core.index.pin(elsewhere)
+            self._count_shared(shared)
+        return ServedGet(
+            namespace,
+            keys,
+            shared,
+            lengths=[
+                block.nbytes if block else None if tier is None else framed_bytes
+                for block, tier in zip(shared, located, strict=True)
+            ],
+            tiers=[
+                TierKind.DRAM if block else tier
+                for block, tier in zip(shared, located, strict=True)
+            ],
+            pinned=pinned,
+        )
+
+    def read_served(self, served: ServedGet, indices: Sequence[int]) -> list[memoryview | None]:
+        """The blocks ``indices`` of ``served`` that no DRAM extent was shared for, read,
+        verified and framed as ``served.lengths`` says; ``None`` for a block lost since
+        ``serve`` (deleted, or failing verification in every tier holding it)."""
+        namespace = served.namespace
+        keys = [served.keys[index] for index in indices]
+        chunks = self._core.read(namespace, keys)
+        blocks: list[memoryview | None] = []
+        for index, chunk in zip(indices, chunks, strict=True):
+            block = None
+            if chunk is not None:
+                block = chunk.block
+                if block is None:  # stored compressed: sent uncompressed
+                    framed = encode_block(namespace, chunk.key, None, chunk.payload)
+                    block = memoryview(framed.to_bytes())
+                if block.nbytes != served.lengths[index]:
+                    block = None
+            blocks.append(block)
+        with self._core.lock:
+            self._core.after_hits(namespace, keys, chunks)
+            served.lost += blocks.count(None)
+        return blocks
+
+    def release_served(self, served: ServedGet) -> None:
+        """Unpin what ``serve`` pinned, and count the get and its misses."""
+        with self._core.lock:
+            self._core.placement.unpin(served.pinned)
+            served.pinned = []
+            self._core.stats.gets += 1
+            self._core.stats.get_misses += served.lengths.count(None) + served.lost
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Unpin what ``share`` pinned (a lease given back or expired)."""
+        with self._core.lock:
+            self._core.placement.unpin(keys)
+
+    def locate(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
+        """The fastest tier holding each key (``StoreCore.locate``)."""
+        return self._core.locate(namespace, keys)
+
+    def namespace(self, digest: bytes) -> Namespace:
+        """The registered namespace with this digest; ``UnknownNamespace`` otherwise."""
+        return self._core.namespace(digest)
+
+    def arena_view(self, block: SharedBlock) -> memoryview:
+        """A read-only view of a shared (pinned) block in the DRAM arena."""
+        dram = self._dram()
+        if dram is None:
+            raise KVStoreError("this store has no DRAM tier")
+        return dram.arena.view(block.offset, block.nbytes)
+
+    def _pin_shared(
+        self, dram: DRAMTier | None, namespace: Namespace, key: ChunkKey
+    ) -> SharedBlock | None:
+        """Pin ``key`` and say where it lies if DRAM holds it; ``None`` otherwise. Lock held."""
+        meta = self._core.index.get(key)
+        if dram is None or meta is None or TierKind.DRAM not in meta.sizes:
+            return None
+        extent = dram.extent_of(namespace.digest, key)
+        if extent is None:
+            return None
+        meta.pins += 1
+        return SharedBlock(key, extent.offset, extent.nbytes, extent.generation)
+
+    def _count_shared(self, shared: Sequence[SharedBlock | None]) -> None:
+        """Count shared blocks as DRAM hits and mark them used. Lock held."""
+        served = [block for block in shared if block is not None]
+        if not served:
+            return
+        counters = self._core.stats.tier(TierKind.DRAM)
+        counters.hits += len(served)
+        counters.bytes_read += sum(block.nbytes for block in served)
+        self._core.placement.touch([block.key for block in served])
+
+    def reserve_dram(self, nbytes: int, codec: Codec, protect: frozenset[ChunkKey]) -> int | None:
+        """An extent of the DRAM arena reserved for a received block of ``nbytes`` in
+        ``codec``, evicting for it as a put would (never ``protect``); ``None`` when
+        the block must go the usual way (DRAM is not the fastest tier, stores
+        another codec, or cannot make room). The caller owns the extent until it
+        hands it to ``put_landed`` or gives it back (``unreserve_dram``)."""
+        with self._core.lock:
+            placement = self._core.placement
+            if (
+                self._core.closed
+                or self._dram() is None
+                or placement.fastest is not TierKind.DRAM
+                or placement.codec(TierKind.DRAM) is not codec
+            ):
+                return None
+            return placement.reserve(TierKind.DRAM, nbytes, protect)
+
+    def dram_writable(self, offset: int, nbytes: int) -> memoryview:
+        """A writable view of a reserved DRAM extent, for its owner to fill."""
+        dram = self._dram()
+        assert dram is not None, "reserve_dram hands out extents only with a DRAM tier"
+        return dram.arena.writable(offset, nbytes)
+
+    def unreserve_dram(self, offsets: Sequence[int]) -> None:
+        with self._core.lock:
+            self._core.placement.unreserve(TierKind.DRAM, offsets)
+
+    def put_blocks(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        blocks: Sequence[Block | None],
+        *,
+        session: str | None = None,
+    ) -> int:
+        """``put`` for chunks that arrive as complete blocks (the daemon's puts): each
+        block is stored as it came, not hashed or framed again, unless the fastest
+        tier has a codec other than the block's (then it is re-encoded for it).
+
+        The caller has verified every checksum (the block crossed a trust
+        boundary to get here). What the store relies on is checked again here,
+        cheaply, before anything is stored: each header parses, names the key,
+        namespace and layout it is stored under, holds exactly one chunk, and
+        says how long its payload is.
+        """
+        self._core.register(namespace)
+        chain = self._core.chain(namespace, keys, len(blocks))
+        present = {index: block for index, block in enumerate(blocks) if block is not None}
+        for index, block in present.items():
+            _check_framed(namespace, chain[index], block)
+        placement = self._core.placement
+
+        def frame(index: int, parent: ChunkKey | None) -> Block:
+            return placement.reencode(present[index], placement.fastest)
+
+        return self._core.store_chain(namespace, chain, list(present), frame, session)
+
+    def put_landed(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        blocks: Sequence[Block | Reserved | None],
+        *,
+        session: str | None = None,
+    ) -> int:
+        """``put_blocks`` for a put some of whose blocks were written into reserved DRAM
+        extents and verified there (``kvstore.server.landing``). Those are published,
+        unless their key is held already (then given back); the others are
+        stored as ``put_blocks`` stores them. Every reservation in ``blocks`` is
+        published or given back, whatever happens."""
+        reserved = [block for block in blocks if isinstance(block, Reserved)]
+        unpublished = {entry.offset for entry in reserved}
+        try:
+            others = [None if isinstance(block, Reserved) else block for block in blocks]
+            stored = self.put_blocks(namespace, keys, others, session=session)
+            core = self._core
+            with core.lock:
+                core.check_open()
+                fresh = [entry for entry in reserved if core.needs_storing(namespace, entry.key)]
+                published = core.placement.publish(TierKind.DRAM, namespace.digest, fresh, session)
+                unpublished -= {entry.offset for entry in fresh}
+                core.stats.chunks_stored += len(published)
+        finally:
+            self.unreserve_dram(sorted(unpublished))
+        return stored + len(published)
+
+
+def _check_framed(namespace: Namespace, key: ChunkKey, block: Block) -> None:
+    """Refuse a received block that is not one whole chunk of ``key`` in ``namespace``
+    (structure and identity only: the checksum was verified on arrival)."""
+    if len(block.header) != HEADER_BYTES:
+        raise CorruptBlock(f"block {key.hex()}: a header of {len(block.header)} bytes")
+    header = parse_header(block.header)
+    check_whole_chunk(header, namespace, key)
+    if header.payload_len != block.payload.nbytes:
+        raise CorruptBlock(
+            f"block {key.hex()} has {block.payload.nbytes} payload bytes, "
+            f"its header says {header.payload_len}"
+        )

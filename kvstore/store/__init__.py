@@ -1,0 +1,23 @@
+"""The embedded engine: one thread-safe store over every configured tier.
+
+::
+
+    tiered_store.py  TieredStore: the embedded store's methods (lookup, put, get, ...)
+    async_store.py   AsyncTieredStore: the same methods, awaitable
+    core.py          StoreCore: the lock, index, placement, reader and counters the
+                     faces (and the daemon's serving paths) work through
+    placement.py     moving blocks between tiers: admission, write-back, promotion
+    eviction.py      EvictionPolicy (which block leaves a tier first) and LRU
+    index.py         which tiers hold each chunk, its parent, its pins
+    reader.py        reading and verifying blocks out of a tier
+    guarded.py       a tier failure as a miss, in one place
+    maintenance.py   scrubbing and flushing
+    chunk.py         what callers hand the store and get back (KVChunk, CachedPrefix)
+    config.py        StoreConfig and CostModel: the store's settings
+    stats.py         the counters
+
+May import: the format (``kvstore.errors``, ``keys``, ``block``, ``codec``,
+``config``) and ``kvstore.tiers``; never the wire, the daemon, the client or
+the predictor. Importing this package loads nothing: the names live in their
+modules (``kvstore.TieredStore`` is the front door's).
+"""

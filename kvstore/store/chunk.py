@@ -1,0 +1,146 @@
+"""What callers hand the store and get back: KV chunks and cached prefixes.
+
+A chunk is the KV of ``chunk_tokens`` tokens in the namespace's layout,
+``(num_layers, 2, chunk_tokens, num_kv_heads, head_dim)`` of its dtype. Callers
+may pass a torch tensor (any device), a numpy array or raw bytes of exactly
+the right size; anything else is refused with ``LayoutMismatch`` before any
+byte is stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.errors import LayoutMismatch
+from kvstore.keys import ChunkKey, KVLayout
+from kvstore.tiers.kinds import TierKind
+
+ChunkData = torch.Tensor | np.ndarray | bytes | bytearray | memoryview
+
+
+def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
+    """A flat byte view of one chunk, validated against ``layout`` (copies only off-CPU)."""
+    if isinstance(data, torch.Tensor):
+        if str(data.dtype).removeprefix("torch.") != layout.dtype:
+            raise LayoutMismatch(f"chunk dtype {data.dtype} is not the namespace's {layout.dtype}")
+        if tuple(data.shape) != layout.chunk_shape:
+            raise LayoutMismatch(
+                f"chunk shape {tuple(data.shape)} is not the namespace's {layout.chunk_shape}"
+            )
+        flat = data.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+        return flat.numpy().data
+    if isinstance(data, np.ndarray):
+        if data.dtype.name != layout.dtype and data.dtype != np.uint8:
+            raise LayoutMismatch(f"chunk dtype {data.dtype} is not the namespace's {layout.dtype}")
+        if data.dtype != np.uint8 and data.shape != layout.chunk_shape:
+            raise LayoutMismatch(
+                f"chunk shape {data.shape} is not the namespace's {layout.chunk_shape}"
+            )
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    elif isinstance(data, bytes | bytearray | memoryview):
+        view = memoryview(data).cast("B") if memoryview(data).ndim else memoryview(data)
+    else:
+        raise LayoutMismatch(f"unsupported chunk type {type(data).__name__}")
+    if view.nbytes != layout.chunk_nbytes:
+        raise LayoutMismatch(
+            f"chunk has {view.nbytes} bytes, the namespace's layout needs {layout.chunk_nbytes}"
+        )
+    return view
+
+
+def destination_bytes(data: ChunkData, layout: KVLayout) -> np.ndarray:
+    """A writable flat uint8 view of a caller's buffer for one chunk (``get(..., out=)``).
+
+    The buffer must live in host memory (a CPU tensor, pinned or not, a numpy
+    array, a ``bytearray`` or a writable ``memoryview``), be contiguous and
+    hold exactly one chunk; it is written in place, never copied.
+    """
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise LayoutMismatch("destination tensors must be in host memory")
+        if str(data.dtype).removeprefix("torch.") != layout.dtype or not data.is_contiguous():
+            raise LayoutMismatch(f"destination must be a contiguous {layout.dtype} tensor")
+        array = data.view(torch.uint8).reshape(-1).numpy()
+    elif isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise LayoutMismatch("destination arrays must be contiguous")
+        array = data.reshape(-1).view(np.uint8)
+    elif isinstance(data, bytearray | memoryview):
+        array = np.frombuffer(data, dtype=np.uint8)
+    else:
+        raise LayoutMismatch(f"unsupported destination type {type(data).__name__}")
+    if not array.flags.writeable:
+        raise LayoutMismatch("destination buffer is read-only")
+    if array.nbytes != layout.chunk_nbytes:
+        raise LayoutMismatch(
+            f"destination has {array.nbytes} bytes, one chunk needs {layout.chunk_nbytes}"
+        )
+    return array
+
+
+@dataclass(frozen=True, slots=True)
+class KVChunk:
+    """One chunk read from the store: verified payload bytes plus where they came from.
+
+    ``payload`` is owned by the chunk (never a view into a tier's memory), so
+    it stays valid after the store evicts or overwrites the block. ``block`` is
+    the whole verified stored block (header and payload) when the payload was
+    stored raw, so a server can forward it as it is, checksum included.
+    """
+
+    key: ChunkKey
+    tier: TierKind
+    layout: KVLayout
+    payload: memoryview
+    block: memoryview | None = None
+
+    def tensor(self) -> torch.Tensor:
+        """The chunk as a CPU tensor of the layout's shape and dtype (no copy when possible)."""
+        dtype: Any = getattr(torch, self.layout.dtype)
+        if self.payload.readonly:
+            raw = torch.from_numpy(np.frombuffer(self.payload, dtype=np.uint8).copy())
+        else:
+            raw = torch.frombuffer(self.payload, dtype=torch.uint8)
+        return raw.view(dtype).reshape(self.layout.chunk_shape)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The answer to ``lookup``: how many leading tokens are cached, and where.
+
+    ``keys`` and ``tiers`` cover the cached chunks only (the leading run);
+    ``tiers[i]`` is the fastest tier holding chunk ``i``. ``load_chunks`` says
+    how many of them are worth loading: where loading from a slow tier takes
+    longer than recomputing (``config.CostModel``), the engine should load the
+    first ``load_chunks`` and recompute the rest. ``None`` means all of them.
+    """
+
+    chunk_tokens: int
+    keys: tuple[ChunkKey, ...]
+    tiers: tuple[TierKind, ...]
+    total_chunks: int
+    load_chunks: int | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_chunks * self.chunk_tokens
+
+    @property
+    def load_tokens(self) -> int:
+        """Leading tokens worth loading rather than recomputing."""
+        chunks = self.num_chunks if self.load_chunks is None else self.load_chunks
+        return chunks * self.chunk_tokens
+
+    def tokens_by_tier(self) -> dict[TierKind, int]:
+        counts: dict[TierKind, int] = {}
+        for tier in self.tiers:
+            counts[tier] = counts.get(tier, 0) + self.chunk_tokens
+        return counts

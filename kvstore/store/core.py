@@ -1,0 +1,324 @@
+"""``StoreCore``: the state behind every face of one store, and the steps they share.
+
+::
+
+    TieredStore ──┐                      ┌── index      which tiers hold each chunk
+    AsyncTiered ──┼──► StoreCore ── lock ┼── placement  admission, eviction, promotion
+    (daemon's     │    (one per store)   ├── reader     verified reads out of a tier
+     SharedServing┘                      └── stats      the counters
+
+The faces (``TieredStore``, and through it ``AsyncTieredStore``) and the
+daemon's serving paths (``kvstore.server.serving``) all work through this
+object's public members; none of them touches another's internals. What a
+face adds is its method's shape (arguments, validation, what it returns and
+counts); the steps more than one of them needs (locate, read, store a chain,
+record hits) are here, once.
+
+Ownership: ``lock`` guards ``index``, ``placement`` (and through it the
+eviction policy and the tiers' accounting), ``stats`` and the namespace
+table, and serialises every path that moves blocks. A caller takes it for
+as short a time as it can: reads take it to pin and to record, and copy the
+bytes with it released; a pinned block is never an eviction victim, so a
+read in progress cannot lose its block.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvstore.block import HEADER_BYTES, Block
+from kvstore.codec import CodecSpec
+from kvstore.errors import KVStoreError, LayoutMismatch, RequestTooLarge, UnknownNamespace
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
+from kvstore.store.chunk import KVChunk
+from kvstore.store.config import StoreConfig
+from kvstore.store.eviction import EvictionPolicy, LRUPolicy
+from kvstore.store.guarded import GuardedTier
+from kvstore.store.index import BlockIndex
+from kvstore.store.placement import Admission, Placement
+from kvstore.store.reader import BlockReader
+from kvstore.store.stats import StoreStats
+from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.registry import open_tier
+
+
+class StoreCore:
+    """One store's lock, index, placement, reader and counters (module docstring)."""
+
+    def __init__(self, config: StoreConfig, policy: EvictionPolicy | None = None) -> None:
+        self.config = config
+        # Guards everything below; re-entrant, as policies call back into the store.
+        self.lock = threading.RLock()
+        # Mutated with ``lock`` held; ``snapshot`` copies them for readers.
+        self.stats = StoreStats()
+        # Mutated only by ``placement`` and this class, with ``lock`` held.
+        self.index = BlockIndex()
+        # Owns the checksum worker thread; safe to call without the lock.
+        self.reader = BlockReader()
+        self._namespaces: dict[bytes, Namespace] = {}  # digest -> namespace; under ``lock``
+        self._closed = False  # set once, under ``lock``, by ``close``
+        tiers: dict[TierKind, GuardedTier] = {}
+        codecs: dict[TierKind, CodecSpec] = {}
+        try:
+            for tier_config in config.tiers:
+                counters = self.stats.tier(tier_config.kind)
+                counters.capacity_bytes = tier_config.capacity_bytes
+                codecs[tier_config.kind] = CodecSpec.parse(tier_config.codec)
+                tiers[tier_config.kind] = GuardedTier(open_tier(tier_config), counters, self.lock)
+        except BaseException:
+            for opened in tiers.values():
+                opened.close()
+            raise
+        self.placement = Placement(
+            tiers, codecs, self.index, policy if policy is not None else LRUPolicy(), self.stats
+        )
+        self.has_shared_tier = any(kind.shared for kind in tiers)
+        if config.scan_on_open:
+            with self.lock:
+                self.placement.rebuild_index()
+
+    # -- namespaces and keys ----------------------------------------------------
+
+    def register(self, namespace: Namespace) -> None:
+        """Make ``namespace`` known (every call that takes one does this first)."""
+        with self.lock:
+            self._namespaces.setdefault(namespace.digest, namespace)
+
+    def namespace(self, digest: bytes) -> Namespace:
+        """The registered namespace with this digest; ``UnknownNamespace`` otherwise."""
+        try:
+            return self._namespaces[digest]
+        except KeyError:
+            raise UnknownNamespace(f"namespace {digest.hex()} is not registered") from None
+
+    def registered_namespaces(self) -> list[Namespace]:
+        with self.lock:
+            return list(self._namespaces.values())
+
+    def chain(
+        self, namespace: Namespace, tokens_or_keys: TokensOrKeys, count: int
+    ) -> list[ChunkKey]:
+        """The keys of the first ``count`` chunks, which a put of ``count`` chunks writes."""
+        keys = keys_of(namespace, tokens_or_keys)
+        if count > len(keys):
+            raise LayoutMismatch(f"{count} chunks given for {len(keys)} full chunks of tokens")
+        self.check_batch(count)
+        return keys[:count]
+
+    def bytes_per_token(self, namespace: Namespace) -> float:
+        """KV bytes per token for the cost model: configured, else the namespace layout's."""
+        configured = self.config.costs.kv_bytes_per_token
+        return configured or namespace.layout.chunk_nbytes / namespace.chunk_tokens
+
+    # -- checks -----------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise KVStoreError("the store is closed")
+
+    def check_batch(self, count: int) -> None:
+        if count > self.config.max_batch_chunks:
+            raise RequestTooLarge(
+                f"{count} chunks in one request; the limit is {self.config.max_batch_chunks}"
+            )
+
+    # -- where blocks are -------------------------------------------------------
+
+    def locate(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
+        """The fastest tier holding each key, or ``None``: every key, not only the
+        leading run, and nothing counted as a lookup."""
+        self.register(namespace)
+        keys = list(keys)
+        self.check_batch(len(keys))
+        with self.lock:
+            self.check_open()
+            located = self.index.fastest(keys)
+        for kind in self.placement.order:
+            if kind.shared:
+                self._confirm_shared(kind, namespace, keys, located)
+        return located
+
+    def _confirm_shared(
+        self,
+        kind: TierKind,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        located: list[TierKind | None],
+    ) -> None:
+        """Ask shared tier ``kind`` about every key the index cannot place faster.
+
+        The index cannot vouch for a shared tier: other processes add blocks and
+        the server may evict, expire or lose them (a restart without
+        persistence). So keys unknown locally, and keys whose fastest copy is in
+        this tier, are confirmed with one batched round trip. A tier that does
+        not answer confirms nothing: its keys count as not cached.
+        """
+        asked = [i for i, tier in enumerate(located) if tier is None or tier is kind]
+        if not asked:
+            return
+        tier = self.placement.tiers[kind]
+        present = tier.contains_many(namespace.digest, [keys[i] for i in asked])
+        lost: list[ChunkKey] = []
+        for position, index in enumerate(asked):
+            if present is not None and present[position]:
+                located[index] = kind
+            elif located[index] is kind:
+                located[index] = None
+                if present is not None:
+                    lost.append(keys[index])
+        if lost:
+            with self.lock:
+                for key in lost:
+                    self.placement.forget(kind, namespace.digest, key)
+
+    # -- writing ----------------------------------------------------------------
+
+    def needs_storing(self, namespace: Namespace, key: ChunkKey) -> bool:
+        """Whether a put writes ``key``: it is not held, or held only in tiers that
+        reload slower than recomputing. Lock held.
+
+        A delete waiting on the key's pins (``TieredStore.delete``) is called off:
+        the put wants the block kept, and the copy held is the same content."""
+        meta = self.index.get(key)
+        if meta is not None:
+            meta.deleted = False
+        fastest = meta.fastest if meta is not None else None
+        if fastest is None:
+            return True
+        return not self.config.costs.worth_loading(fastest, self.bytes_per_token(namespace))
+
+    def store_chain(
+        self,
+        namespace: Namespace,
+        chain: list[ChunkKey],
+        present: list[int],
+        frame: Callable[[int, ChunkKey | None], Block],
+        session: str | None,
+    ) -> int:
+        """Admit chunk ``i`` of ``chain`` for each ``i`` in ``present`` (``frame(i, parent)``
+        makes its block) unless already held; return how many were stored."""
+        placement = self.placement
+        with self.lock:
+            self.check_open()
+            admissions = []
+            for index in present:
+                if not self.needs_storing(namespace, chain[index]):
+                    continue
+                parent = chain[index - 1] if index else None
+                admissions.append(Admission(chain[index], frame(index, parent), parent))
+            # Touch the cached part of the chain first so its blocks are the
+            # most recent while the new blocks make room.
+            placement.touch(chain, session)
+            stored = placement.admit(
+                placement.fastest,
+                namespace.digest,
+                admissions,
+                session=session,
+                protect=frozenset(chain),
+            )
+            placement.touch(chain, session)
+            self.stats.puts += 1
+            self.stats.chunks_stored += len(stored)
+            self.stats.puts_dropped += len(admissions) - len(stored)
+        return len(stored)
+
+    # -- reading ----------------------------------------------------------------
+
+    def read(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        payloads: Sequence[np.ndarray] | None = None,
+    ) -> list[KVChunk | None]:
+        """Read each key from the fastest tier that serves a good copy, pinned meanwhile
+        (into ``payloads`` when given). Counts tier hits, not the get."""
+        results: list[KVChunk | None] = [None] * len(keys)
+        with self.lock:
+            self.check_open()
+            pinned = self.index.pin(keys)
+        try:
+            for kind in self.placement.order:
+                self._read_from(kind, namespace, keys, results, payloads)
+        finally:
+            with self.lock:
+                self.placement.unpin(pinned)
+        return results
+
+    def _read_from(
+        self,
+        kind: TierKind,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        results: list[KVChunk | None],
+        payloads: Sequence[np.ndarray] | None,
+    ) -> None:
+        """Fill the still-missing ``results`` that tier ``kind`` can serve."""
+        with self.lock:
+            wanted = [
+                i
+                for i, key in enumerate(keys)
+                if results[i] is None and self.index.may_hold(kind, key)
+            ]
+        if not wanted:
+            return
+        tier = self.placement.tiers[kind]
+        if payloads is None:
+            outcome = self.reader.read(tier, namespace, keys, wanted)
+        else:
+            targets = [payloads[i] for i in wanted]
+            outcome = self.reader.read_into(tier, namespace, keys, wanted, targets)
+        for index, chunk in outcome.chunks:
+            results[index] = chunk
+        with self.lock:
+            counters = self.stats.tier(kind)
+            counters.hits += len(outcome.chunks)
+            counters.bytes_read += outcome.bytes_read
+            counters.corrupt_blocks += len(outcome.bad)
+            vanished = [key for key in outcome.absent if self.index.holds(kind, key)]
+            for key in outcome.bad + vanished:
+                self.placement.forget(kind, namespace.digest, key)
+
+    def after_hits(
+        self, namespace: Namespace, keys: list[ChunkKey], results: Sequence[KVChunk | None]
+    ) -> None:
+        """Index blocks found in a shared tier, promote lower-tier hits, update recency.
+        Lock held."""
+        placement = self.placement
+        top = placement.fastest
+        promotions: list[Admission] = []
+        hits: list[ChunkKey] = []
+        for key, chunk in zip(keys, results, strict=True):
+            if chunk is None:
+                continue
+            hits.append(key)
+            meta = self.index.get(key)
+            if meta is None:
+                meta = self.index.record(
+                    chunk.tier, key, namespace.digest, None, HEADER_BYTES + chunk.payload.nbytes
+                )
+            if self.config.promote_on_hit and chunk.tier != top and top not in meta.sizes:
+                block = placement.encode(namespace, key, meta.parent, chunk.payload, top)
+                promotions.append(Admission(key, block, meta.parent))
+        placement.touch(hits)
+        if promotions:
+            placement.admit(top, namespace.digest, promotions, protect=frozenset(hits))
+            placement.count_promotions(promotions, top)
+            placement.touch(hits)
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the reader and every tier (idempotent)."""
+        with self.lock:
+            if not self._closed:
+                self._closed = True
+                self.reader.close()
+                for tier in self.placement.tiers.values():
+                    tier.close()

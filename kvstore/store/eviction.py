@@ -1,0 +1,87 @@
+"""Eviction policy: which block leaves a tier first under capacity pressure.
+
+The store owns placement mechanics (demote on pressure, drop only from the
+last tier, skip pinned blocks); a policy only orders candidates. It is told
+about every insertion, access and removal per tier, and answers
+``victims(tier)``: keys in the order they should go. The return-time
+predictor plugs in here by implementing the same protocol. A policy may also
+have ``destination(tier, key) -> TierKind | None``: where a victim is written
+back, when not the next tier down (``kvstore.store.placement``).
+
+Prefix awareness comes from the order of notifications. The store always
+reports a chain head first (``keys[0]`` is the oldest ancestor). ``LRUPolicy``
+records them tail first, so within one access the head ends up most recent:
+the tail of a chain is evicted before its head, and because any access to a
+chunk is also an access to its whole prefix, a parent is never less recent
+than its child. A cached prefix therefore stays a prefix as the hierarchy
+sheds load.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from kvstore.keys import ChunkKey
+from kvstore.tiers.kinds import TierKind
+
+
+class EvictionPolicy(Protocol):
+    """Orders eviction candidates per tier. Called with the store lock held."""
+
+    def on_access(
+        self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
+    ) -> None:
+        """``keys`` (a chain, head first) were written to or read from ``tier``."""
+
+    def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
+        """``key`` left ``tier`` (demoted, dropped, deleted or found corrupt)."""
+
+    def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
+        """Keys of ``tier`` in eviction order (the store may skip pinned ones)."""
+
+
+class LRUPolicy:
+    """Least recently used first; within one access, chain tail before head."""
+
+    def __init__(self) -> None:
+        self._order: dict[TierKind, OrderedDict[ChunkKey, None]] = {}
+
+    def on_access(
+        self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
+    ) -> None:
+        order = self._order.setdefault(tier, OrderedDict())
+        for key in reversed(keys):
+            order[key] = None
+            order.move_to_end(key)
+
+    def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
+        order = self._order.get(tier)
+        if order is not None:
+            order.pop(key, None)
+
+    def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
+        """Least recent first. Snapshots in small batches, so removals while
+        iterating are safe and a long queue is not copied whole."""
+        order = self._order.get(tier)
+        if not order:
+            return
+        seen: set[ChunkKey] = set()
+        while True:
+            batch = [key for key in _head(order, len(seen) + 32) if key not in seen]
+            if not batch:
+                return
+            for key in batch:
+                seen.add(key)
+                if key in order:
+                    yield key
+
+
+def _head(order: OrderedDict[ChunkKey, None], count: int) -> list[ChunkKey]:
+    keys: list[ChunkKey] = []
+    for key in order:
+        if len(keys) == count:
+            break
+        keys.append(key)
+    return keys

@@ -1,0 +1,143 @@
+"""The store's index: for every chunk, which tiers hold a copy, its parent, its pins.
+
+The index is the store's memory of placement. It is authoritative for the
+process-local tiers (HBM, DRAM, LMDB, whose contents are rebuilt from a scan
+after a restart) and advisory for shared tiers (Redis), which other processes
+write to and the server may evict from: a key the index does not know may
+still be found there.
+
+Not thread safe on its own; the store's lock guards every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.keys import ChunkKey
+from kvstore.tiers.kinds import TierKind
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """Index entry of one chunk.
+
+    ``sizes`` maps each tier holding a copy to the stored size there (codecs
+    differ per tier). ``pins`` counts reads in progress plus explicit pins; a
+    pinned block is never an eviction victim. ``session`` is the last session
+    that wrote the chunk, for placement policies that reason about sessions.
+    ``deleted``: a delete came while it was pinned; it goes when the last pin
+    does (``Placement.unpin``), not under a reader copying it out.
+    """
+
+    namespace: bytes
+    parent: ChunkKey | None
+    sizes: dict[TierKind, int] = field(default_factory=dict)
+    pins: int = 0
+    session: str | None = None
+    deleted: bool = False
+
+    @property
+    def fastest(self) -> TierKind | None:
+        return min(self.sizes) if self.sizes else None
+
+
+class BlockIndex:
+    """Chunk key -> ``BlockMeta``."""
+
+    def __init__(self) -> None:
+        self._entries: dict[ChunkKey, BlockMeta] = {}
+
+    def get(self, key: ChunkKey) -> BlockMeta | None:
+        return self._entries.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def fastest(self, keys: Iterable[ChunkKey]) -> list[TierKind | None]:
+        """The fastest tier known to hold each key, or ``None``."""
+        entries = self._entries
+        return [meta.fastest if (meta := entries.get(key)) else None for key in keys]
+
+    def record(
+        self,
+        kind: TierKind,
+        key: ChunkKey,
+        namespace: bytes,
+        parent: ChunkKey | None,
+        nbytes: int,
+        session: str | None = None,
+    ) -> BlockMeta:
+        """Note that tier ``kind`` now holds ``key`` in ``nbytes`` stored bytes."""
+        meta = self._entries.get(key)
+        if meta is None:
+            meta = self._entries[key] = BlockMeta(namespace, parent)
+        elif meta.parent is None and parent is not None:
+            meta.parent = parent
+        meta.sizes[kind] = nbytes
+        if session is not None:
+            meta.session = session
+        return meta
+
+    def drop(self, kind: TierKind, key: ChunkKey) -> bool:
+        """Forget ``kind``'s copy of ``key``; return whether ``kind`` held one."""
+        meta = self._entries.get(key)
+        if meta is None or kind not in meta.sizes:
+            return False
+        del meta.sizes[kind]
+        if not meta.sizes:
+            del self._entries[key]
+        return True
+
+    def remove(self, key: ChunkKey) -> BlockMeta | None:
+        """Forget ``key`` entirely."""
+        return self._entries.pop(key, None)
+
+    def holds(self, kind: TierKind, key: ChunkKey) -> bool:
+        meta = self._entries.get(key)
+        return meta is not None and kind in meta.sizes
+
+    def may_hold(self, kind: TierKind, key: ChunkKey) -> bool:
+        """Whether ``kind`` is worth asking for ``key``: the index says it holds a
+        copy, or the tier is shared and the index knows nothing of the key."""
+        meta = self._entries.get(key)
+        return kind.shared if meta is None else kind in meta.sizes
+
+    def pin(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
+        """Pin every known key; return the keys pinned (to hand back to ``unpin``)."""
+        pinned = []
+        for key in keys:
+            meta = self._entries.get(key)
+            if meta is not None:
+                meta.pins += 1
+                pinned.append(key)
+        return pinned
+
+    def unpin(self, keys: Iterable[ChunkKey]) -> list[tuple[bytes, ChunkKey]]:
+        """Unpin ``keys``; return (namespace, key) of those now unpinned that a delete
+        was waiting for (``BlockMeta.deleted``)."""
+        released = []
+        for key in keys:
+            meta = self._entries.get(key)
+            if meta is not None and meta.pins > 0:
+                meta.pins -= 1
+                if meta.deleted and not meta.pins:
+                    released.append((meta.namespace, key))
+        return released
+
+    def held_by(self, kind: TierKind) -> list[tuple[bytes, ChunkKey]]:
+        """(namespace, key) of every block ``kind`` holds, as a snapshot."""
+        return [(meta.namespace, key) for key, meta in self._entries.items() if kind in meta.sizes]
+
+    def count(self, kind: TierKind) -> int:
+        return sum(1 for meta in self._entries.values() if kind in meta.sizes)
+
+    def by_tier(self, keys: Sequence[ChunkKey]) -> dict[TierKind, list[ChunkKey]]:
+        """``keys`` grouped by each tier holding them, in the order given."""
+        grouped: dict[TierKind, list[ChunkKey]] = {}
+        for key in keys:
+            meta = self._entries.get(key)
+            if meta is not None:
+                for kind in meta.sizes:
+                    grouped.setdefault(kind, []).append(key)
+        return grouped

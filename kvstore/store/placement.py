@@ -1,0 +1,401 @@
+"""Moving blocks between tiers: admission, write-back eviction, promotion, codecs.
+
+::
+
+    admit(tier) ──► room? ──no──► evict_one(tier): the policy's first unpinned,
+        │                           unprotected victim is written back to the
+        │                           next tier down (unless a lower tier already
+        │                           holds it), then removed here; only the last
+        │                           tier drops blocks for good
+        ▼
+    put_many(batch) ──TierFull──► evict one more, retry with half the batch
+        │
+        └─ blocks that still do not fit spill to the next tier down
+
+Invariants kept here:
+
+* ``used_bytes <= capacity_bytes`` for every tier after every admission.
+* A chain being written (``protect``) never evicts itself: a chain longer
+  than a tier keeps its head there and spills its tail down.
+* The index records a copy only after the tier accepted the write, so a
+  reader never finds a key whose bytes are not all there.
+* A reserved extent (``reserve``: the daemon writes a block straight into
+  the arena as it arrives, ``kvstore.server.landing``) counts against capacity from
+  the moment it is reserved, and is in the index only once ``publish``ed.
+
+Every method expects the store lock to be held (the store owns it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.block import Block, Codec, encode_block, frame_block, parse_header, stored_block
+from kvstore.codec import CodecSpec, decode_payload, encode_payload
+from kvstore.errors import CorruptBlock, TierError, TierFull
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.store.eviction import EvictionPolicy
+from kvstore.store.guarded import GuardedTier
+from kvstore.store.index import BlockIndex, BlockMeta
+from kvstore.store.stats import StoreStats
+from kvstore.tiers.arena_tier import ArenaTier
+from kvstore.tiers.kinds import TierKind
+
+
+@dataclass(slots=True)
+class Admission:
+    """One block on its way into a tier, with its parent in the chain."""
+
+    key: ChunkKey
+    block: Block
+    parent: ChunkKey | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A block written into a reserved arena extent and not yet published: its key,
+    parent in the chain, and where it lies (``offset``, ``nbytes``)."""
+
+    key: ChunkKey
+    parent: ChunkKey | None
+    offset: int
+    nbytes: int
+
+
+class Placement:
+    """The mechanics of the hierarchy; the policy only orders victims."""
+
+    def __init__(
+        self,
+        tiers: dict[TierKind, GuardedTier],
+        codecs: dict[TierKind, CodecSpec],
+        index: BlockIndex,
+        policy: EvictionPolicy,
+        stats: StoreStats,
+    ) -> None:
+        self.tiers = tiers
+        self.order = sorted(tiers)
+        self._codecs = codecs
+        self._index = index
+        self._policy = policy
+        self._stats = stats
+
+    @property
+    def fastest(self) -> TierKind:
+        return self.order[0]
+
+    def below(self, kind: TierKind) -> TierKind | None:
+        position = self.order.index(kind)
+        return self.order[position + 1] if position + 1 < len(self.order) else None
+
+    # -- admission ------------------------------------------------------------
+
+    def admit(
+        self,
+        kind: TierKind,
+        namespace: bytes,
+        admissions: Sequence[Admission],
+        *,
+        session: str | None = None,
+        protect: frozenset[ChunkKey] = frozenset(),
+    ) -> set[ChunkKey]:
+        """Write blocks into tier ``kind``, evicting from it first as needed.
+
+        ``protect`` (the chain being written; it always includes
+        ``admissions``) is never evicted to make room for itself. Blocks that
+        do not fit even after evicting every other unpinned block spill to the
+        next tier down, or are dropped at the last. Returns the keys now held
+        somewhere.
+        """
+        if not admissions:
+            return set()
+        protect = protect | {a.key for a in admissions}
+        tier = self.tiers[kind]
+        capacity = tier.capacity_bytes()
+        stored: set[ChunkKey] = set()
+        spill: list[Admission] = []
+        pending = list(admissions)
+        limit = len(pending)
+        while pending:
+            batch = self._fill_batch(kind, pending[:limit], capacity, protect)
+            if not batch:
+                spill.append(pending.pop(0))
+                continue
+            try:
+                written = tier.put_many(namespace, [(a.key, a.block) for a in batch])
+            except TierFull:
+                # The backend disagrees with our accounting (fragmentation, LMDB
+                # page overhead): evict one more and retry with a smaller batch.
+                evicted = self.evict_one(kind, protect)
+                if len(batch) > 1:
+                    limit = max(1, len(batch) // 2)
+                elif not evicted:
+                    spill.append(pending.pop(0))
+                continue
+            del pending[: len(batch)]
+            if not written:
+                spill.extend(batch)
+                continue
+            counters = self._stats.tier(kind)
+            for admission in batch:
+                self._index.record(
+                    kind,
+                    admission.key,
+                    namespace,
+                    admission.parent,
+                    admission.block.nbytes,
+                    session,
+                )
+                counters.bytes_written += admission.block.nbytes
+                stored.add(admission.key)
+            self._policy.on_access(kind, [a.key for a in batch], session)
+        return stored | self._spill(kind, namespace, spill, session, protect)
+
+    def _spill(
+        self,
+        kind: TierKind,
+        namespace: bytes,
+        spill: list[Admission],
+        session: str | None,
+        protect: frozenset[ChunkKey],
+    ) -> set[ChunkKey]:
+        """Admit what did not fit into ``kind`` to the next tier down."""
+        lower = self.below(kind)
+        if not spill or lower is None:
+            return set()
+        already: set[ChunkKey] = set()
+        moving: list[Admission] = []
+        for admission in spill:
+            meta = self._index.get(admission.key)
+            if meta is not None and any(other >= lower for other in meta.sizes):
+                already.add(admission.key)  # a copy is already held lower down
+            else:
+                moving.append(
+                    Admission(
+                        admission.key, self.reencode(admission.block, lower), admission.parent
+                    )
+                )
+        return already | self.admit(lower, namespace, moving, session=session, protect=protect)
+
+    def _fill_batch(
+        self,
+        kind: TierKind,
+        pending: list[Admission],
+        capacity: int,
+        protect: frozenset[ChunkKey],
+    ) -> list[Admission]:
+        """The longest head of ``pending`` that fits ``kind`` after evicting for it."""
+        tier = self.tiers[kind]
+        batch: list[Admission] = []
+        need = 0
+        for admission in pending:
+            if need + admission.block.nbytes > capacity:
+                break
+            batch.append(admission)
+            need += admission.block.nbytes
+        while batch and tier.used_bytes() + need > capacity:
+            if not self.evict_one(kind, protect):
+                # Nothing left to evict: shrink the batch to what fits now.
+                while batch and tier.used_bytes() + need > capacity:
+                    need -= batch.pop().block.nbytes
+        return batch
+
+    # -- reservations (blocks written in place) ----------------------------------
+
+    def reserve(self, kind: TierKind, nbytes: int, protect: frozenset[ChunkKey]) -> int | None:
+        """Reserve an extent of ``nbytes`` in arena tier ``kind``, evicting for it as an
+        admission would (never ``protect``); ``None`` if it cannot be made to fit or
+        ``kind`` is not an arena (the caller then admits the block the usual way).
+
+        The block is not verified yet, so eviction here only demotes: with no
+        tier below ``kind`` to write victims back to, only free space is used,
+        and a put that then fails has lost nobody's blocks.
+        """
+        guarded = self.tiers[kind]
+        tier = guarded.tier
+        if not isinstance(tier, ArenaTier) or nbytes > guarded.capacity_bytes():
+            return None
+        may_evict = self.below(kind) is not None
+        try:
+            while guarded.used_bytes() + nbytes > guarded.capacity_bytes():
+                if not (may_evict and self.evict_one(kind, protect)):
+                    return None
+            while (offset := tier.reserve(nbytes)) is None:  # fragmented: one more
+                if not (may_evict and self.evict_one(kind, protect)):
+                    return None
+        except TierError:
+            return None
+        return offset
+
+    def publish(
+        self, kind: TierKind, namespace: bytes, reserved: Sequence[Reserved], session: str | None
+    ) -> set[ChunkKey]:
+        """Make reserved, written and verified blocks visible: in the tier's index, then
+        in the store's (the order ``admit`` keeps). Returns their keys."""
+        if not reserved:
+            return set()
+        tier = self.tiers[kind].tier
+        assert isinstance(tier, ArenaTier), "only arena tiers hand out reservations"
+        tier.publish(namespace, [(entry.key, entry.offset, entry.nbytes) for entry in reserved])
+        counters = self._stats.tier(kind)
+        for entry in reserved:
+            self._index.record(kind, entry.key, namespace, entry.parent, entry.nbytes, session)
+            counters.bytes_written += entry.nbytes
+        self._policy.on_access(kind, [entry.key for entry in reserved], session)
+        return {entry.key for entry in reserved}
+
+    def unreserve(self, kind: TierKind, reserved: Sequence[int]) -> None:
+        """Give back reserved extents (by offset) that will not be published."""
+        if reserved:
+            tier = self.tiers[kind].tier
+            assert isinstance(tier, ArenaTier), "only arena tiers hand out reservations"
+            tier.unreserve(reserved)
+
+    # -- eviction -------------------------------------------------------------
+
+    def evict_one(self, kind: TierKind, protect: frozenset[ChunkKey] = frozenset()) -> bool:
+        """Evict the policy's first unpinned, unprotected victim from ``kind``."""
+        for key in self._policy.victims(kind):
+            meta = self._index.get(key)
+            if meta is None or kind not in meta.sizes:
+                self._policy.on_remove(kind, key)
+                continue
+            if meta.pins or key in protect:
+                continue
+            self.evict(kind, key, meta, to=self._destination(kind, key))
+            return True
+        return False
+
+    def _destination(self, kind: TierKind, key: ChunkKey) -> TierKind | None:
+        """Where a victim of ``kind`` is written back: the tier the policy names, if it
+        has a ``destination(tier, key)`` method and names a slower tier (a block that
+        would only be the next victim in the tier below may skip it), else the next."""
+        choose = getattr(self._policy, "destination", None)
+        target = choose(kind, key) if choose is not None else None
+        return target if target is not None and target > kind and target in self.tiers else None
+
+    def evict(
+        self,
+        kind: TierKind,
+        key: ChunkKey,
+        meta: BlockMeta,
+        *,
+        to: TierKind | None = None,
+        drop: bool = False,
+    ) -> None:
+        """Write ``key`` back below ``kind`` (into ``to`` if given) unless a tier at or
+        below that one has it, then drop it from ``kind``; ``drop`` skips the
+        write-back. A block that cannot be read back is dropped, not moved."""
+        lower = None if drop else (to if to is not None else self.below(kind))
+        if lower is not None and not any(other >= lower for other in meta.sizes):
+            buffers = self.tiers[kind].get_many(meta.namespace, [key])
+            if buffers and buffers[0] is not None:
+                try:
+                    block = self.reencode(stored_block(buffers[0]), lower)
+                except CorruptBlock:
+                    self._stats.tier(kind).corrupt_blocks += 1
+                else:
+                    admission = Admission(key, block, meta.parent)
+                    self.admit(lower, meta.namespace, [admission], protect=frozenset({key}))
+        self.tiers[kind].delete_many(meta.namespace, [key])
+        self._index.drop(kind, key)
+        self._policy.on_remove(kind, key)
+        counters = self._stats.tier(kind)
+        if self._index.get(key) is not None:
+            counters.demotions += 1
+        else:
+            counters.evictions += 1
+
+    def forget(self, kind: TierKind, namespace: bytes, key: ChunkKey) -> int:
+        """Delete ``kind``'s copy of ``key`` (bad, vanished or unwanted) and forget it;
+        returns how many the tier deleted."""
+        deleted = self.tiers[kind].delete_many(namespace, [key])
+        if self._index.drop(kind, key):
+            self._policy.on_remove(kind, key)
+        return deleted
+
+    def forget_everywhere(self, namespace: bytes, key: ChunkKey) -> bool:
+        """Delete every copy of ``key`` (and any a shared tier may hold without this
+        index knowing); whether any tier held one."""
+        meta = self._index.get(key)
+        held = set(meta.sizes) if meta is not None else set()
+        found = bool(held)
+        for kind in self.order:
+            if kind in held or kind.shared:
+                found = self.forget(kind, namespace, key) > 0 or found
+        return found
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Unpin ``keys``, deleting those a delete was waiting on (``TieredStore.delete``)."""
+        for namespace, key in self._index.unpin(keys):
+            self.forget_everywhere(namespace, key)
+
+    def touch(self, keys: Sequence[ChunkKey], session: str | None = None) -> None:
+        """Tell the policy a chain was used, per tier holding it, head first."""
+        for kind, chain in self._index.by_tier(keys).items():
+            self._policy.on_access(kind, chain, session)
+
+    def count_promotions(self, admissions: Sequence[Admission], target: TierKind) -> int:
+        """Count admissions that reached ``target``, per tier they came from."""
+        promoted = 0
+        for admission in admissions:
+            meta = self._index.get(admission.key)
+            if meta is not None and target in meta.sizes:
+                source = min((kind for kind in meta.sizes if kind > target), default=target)
+                self._stats.tier(source).promotions += 1
+                promoted += 1
+        return promoted
+
+    # -- codecs -----------------------------------------------------------------
+
+    def encode(
+        self,
+        namespace: Namespace,
+        key: ChunkKey,
+        parent: ChunkKey | None,
+        raw: memoryview,
+        kind: TierKind,
+    ) -> Block:
+        """Frame raw chunk bytes for tier ``kind`` (its codec applied)."""
+        spec = self._codecs[kind]
+        payload = memoryview(encode_payload(raw, namespace.layout.dtype, spec.codec, spec.level))
+        return encode_block(namespace, key, parent, payload, codec=spec.codec, raw_len=raw.nbytes)
+
+    def codec(self, kind: TierKind) -> Codec:
+        """The codec tier ``kind`` stores payloads in."""
+        return self._codecs[kind].codec
+
+    def reencode(self, block: Block, kind: TierKind) -> Block:
+        """``block`` framed for tier ``kind``'s codec (itself if the codec matches)."""
+        header = parse_header(block.header)
+        spec = self._codecs[kind]
+        if header.codec is spec.codec:
+            return block
+        raw = decode_payload(block.payload, header.dtype, header.codec, header.raw_len)
+        payload = memoryview(encode_payload(raw, header.dtype, spec.codec, spec.level))
+        return frame_block(dataclasses.replace(header, codec=spec.codec), payload)
+
+    # -- restart --------------------------------------------------------------
+
+    def rebuild_index(self) -> None:
+        """Index the blocks persistent tiers already hold (after a restart).
+
+        Only headers are read. A header that does not parse or does not match
+        the key it is stored under is deleted and counted as corrupt; payloads
+        are verified when read, as always.
+        """
+        for kind in self.order:
+            infos = self.tiers[kind].scan()
+            for info in infos or ():
+                try:
+                    header = parse_header(info.header)
+                    if header.key != info.key or header.namespace_digest != info.namespace:
+                        raise CorruptBlock("header does not match the key it is stored under")
+                except CorruptBlock:
+                    self.tiers[kind].delete_many(info.namespace, [info.key])
+                    self._stats.tier(kind).corrupt_blocks += 1
+                    continue
+                self._index.record(kind, info.key, info.namespace, header.parent, info.nbytes)
+                self._policy.on_access(kind, [info.key])

@@ -1,0 +1,56 @@
+"""Counters the store keeps, per tier and overall.
+
+Mutated only with the store lock held; ``snapshot`` copies them for readers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from kvstore.tiers.kinds import TierKind
+
+
+@dataclass
+class TierCounters:
+    """What happened at one tier. Bytes are stored (encoded) bytes."""
+
+    hits: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    evictions: int = 0
+    corrupt_blocks: int = 0
+    errors: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    blocks: int = 0
+
+
+@dataclass
+class StoreStats:
+    """Store-wide counters plus one ``TierCounters`` per configured tier."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
+    gets: int = 0
+    get_misses: int = 0
+    puts: int = 0
+    chunks_stored: int = 0
+    puts_dropped: int = 0
+    tiers: dict[TierKind, TierCounters] = field(default_factory=dict)
+
+    def tier(self, kind: TierKind) -> TierCounters:
+        return self.tiers.setdefault(kind, TierCounters())
+
+    def snapshot(self) -> StoreStats:
+        copy = dataclasses.replace(self)
+        copy.tiers = {kind: dataclasses.replace(c) for kind, c in self.tiers.items()}
+        return copy
+
+    def to_dict(self) -> dict[str, object]:
+        data = dataclasses.asdict(self)
+        data["tiers"] = {kind.label: dataclasses.asdict(c) for kind, c in self.tiers.items()}
+        return data

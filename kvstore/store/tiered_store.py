@@ -1,0 +1,336 @@
+"""``TieredStore``: the embedded store, one facade over every configured tier.
+
+Placement, in one picture (fastest tier first)::
+
+    put ─► [HBM] ──demote──► [DRAM] ──demote──► [SSD/LMDB] ──demote──► [Redis] ──► dropped
+             ▲                  │                   │                     │
+             └──────────── promote on hit (copy up; the lower copy stays) ┘
+
+* New chunks enter the fastest configured tier; under capacity pressure the
+  policy's victims are written back down (``kvstore.store.placement``).
+* A hit in a lower tier is copied up to the fastest tier (``promote_on_hit``).
+* A block is never returned unless it verifies: every read from a tier whose
+  reads cross a trust boundary (LMDB, Redis) is checked against its checksum,
+  and every read is checked against the key and namespace asked for. A block
+  that fails is deleted from that tier, counted, and the next tier holding a
+  copy is tried; failing all, it is a miss.
+* A tier that is down costs a miss, never an exception out of ``lookup`` or
+  ``get`` (``kvstore.store.guarded``).
+
+Concurrency: one re-entrant lock (``StoreCore.lock``) guards the index, the
+policy and the counters, and serialises the paths that move blocks
+(admission, eviction, promotion, delete). Reads take the lock only to pin
+what they read and to record the outcome; the bytes are copied out with the
+lock released, and a pinned block is never an eviction victim, so a read in
+progress cannot have its block demoted from under it. ``core`` is the state
+this face works through, shared with the daemon's serving paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+
+from kvstore.block import Block
+from kvstore.errors import LayoutMismatch
+from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
+from kvstore.store.config import StoreConfig
+from kvstore.store.core import StoreCore
+from kvstore.store.eviction import EvictionPolicy
+from kvstore.store.maintenance import Maintenance
+from kvstore.store.placement import Admission
+from kvstore.store.stats import StoreStats
+from kvstore.tiers.base import Tier
+from kvstore.tiers.kinds import TierKind
+
+
+class TieredStore:
+    """The embedded, thread-safe tiered KV store. See the module docstring."""
+
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
+        self.core = StoreCore(config if config is not None else StoreConfig.from_env(), policy)
+        self._maintenance = Maintenance(self.core, self.core.config.scrub_interval_s)
+
+    @property
+    def config(self) -> StoreConfig:
+        return self.core.config
+
+    # -- namespaces -------------------------------------------------------
+
+    def register(self, namespace: Namespace) -> None:
+        """Make ``namespace`` known (done implicitly by every call that takes one)."""
+        self.core.register(namespace)
+
+    def namespace(self, digest: bytes) -> Namespace:
+        """The registered namespace with this digest; ``UnknownNamespace`` otherwise."""
+        return self.core.namespace(digest)
+
+    def registered_namespaces(self) -> list[Namespace]:
+        return self.core.registered_namespaces()
+
+    def keys_for(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
+        """Chunk keys of a token sequence, or the given keys checked (``keys.keys_of``)."""
+        return keys_of(namespace, tokens_or_keys)
+
+    # -- lookup -----------------------------------------------------------
+
+    def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> CachedPrefix:
+        """How many leading chunks are cached, the fastest tier holding each, and how
+        many of them are worth loading rather than recomputing (``config.costs``)."""
+        self.register(namespace)
+        keys = self.keys_for(namespace, tokens_or_keys)
+        located = self.locate(namespace, keys)
+        run = next((i for i, tier in enumerate(located) if tier is None), len(keys))
+        with self.core.lock:
+            self.core.stats.lookups += 1
+            self.core.stats.lookup_tokens += len(keys) * namespace.chunk_tokens
+            self.core.stats.lookup_hit_tokens += run * namespace.chunk_tokens
+        tiers = tuple(tier for tier in located[:run] if tier is not None)
+        return CachedPrefix(
+            chunk_tokens=namespace.chunk_tokens,
+            keys=tuple(keys[:run]),
+            tiers=tiers,
+            total_chunks=len(keys),
+            load_chunks=self.config.costs.load_run(
+                tiers, namespace.chunk_tokens, self.core.bytes_per_token(namespace)
+            ),
+        )
+
+    def locate(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
+        """The fastest tier holding each key, or ``None``: every key, not only the
+        leading run, and nothing counted as a lookup (the daemon uses it to tell a
+        block that is elsewhere from one that is missing)."""
+        return self.core.locate(namespace, keys)
+
+    def lookup_nowait(
+        self, namespace: Namespace, tokens_or_keys: TokensOrKeys
+    ) -> CachedPrefix | None:
+        """``lookup`` if it can be answered at once from memory, else ``None``.
+
+        It can when no shared tier must be asked (the index is authoritative
+        for every other tier) and no other thread holds the store's lock. An
+        event loop calls this first and falls back to ``lookup`` on a worker
+        thread: it saves the thread hop without ever waiting for the lock a
+        long put or eviction may hold.
+        """
+        if self.core.has_shared_tier or not self.core.lock.acquire(blocking=False):
+            return None
+        try:
+            return self.lookup(namespace, tokens_or_keys)
+        finally:
+            self.core.lock.release()
+
+    # -- put --------------------------------------------------------------
+
+    def put(
+        self,
+        namespace: Namespace,
+        tokens_or_keys: TokensOrKeys,
+        kv_chunks: Sequence[ChunkData | None],
+        *,
+        session: str | None = None,
+    ) -> int:
+        """Store chunk ``i`` of ``kv_chunks`` under the ``i``-th chunk key; return how many
+        were newly stored.
+
+        ``kv_chunks[i]`` may be ``None`` for a chunk the caller knows is cached.
+        Every chunk is validated before any is stored. Chunks already held are
+        not rewritten (a key names its content), only marked as used, unless
+        they are held only where reloading is slower than recomputing
+        (``config.costs``): the engine recomputed those, and storing them again
+        puts them where loading pays.
+        """
+        self.register(namespace)
+        chain = self.core.chain(namespace, tokens_or_keys, len(kv_chunks))
+        payloads = {
+            index: chunk_bytes(chunk, namespace.layout)
+            for index, chunk in enumerate(kv_chunks)
+            if chunk is not None
+        }
+        placement = self.core.placement
+
+        def frame(index: int, parent: ChunkKey | None) -> Block:
+            return placement.encode(
+                namespace, chain[index], parent, payloads[index], placement.fastest
+            )
+
+        return self.core.store_chain(namespace, chain, list(payloads), frame, session)
+
+    # -- get --------------------------------------------------------------
+
+    def get(
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        *,
+        out: Sequence[ChunkData] | None = None,
+    ) -> list[KVChunk | None]:
+        """The verified chunk for each key, or ``None`` (a miss). Never raises for a
+        tier that is down or a block that is corrupt: both are misses.
+
+        With ``out`` (one host buffer per key, see ``chunk.destination_bytes``)
+        each payload is copied straight into the caller's buffer and the
+        returned chunks are views of it: no allocation, one copy. The content
+        of ``out[i]`` is unspecified where ``None`` is returned.
+        """
+        self.register(namespace)
+        keys = list(keys)
+        self.core.check_batch(len(keys))
+        payloads = None
+        if out is not None:
+            if len(out) != len(keys):
+                raise LayoutMismatch(f"{len(out)} destinations for {len(keys)} keys")
+            payloads = [destination_bytes(buffer, namespace.layout) for buffer in out]
+        results = self.core.read(namespace, keys, payloads)
+        with self.core.lock:
+            self.core.stats.gets += 1
+            self.core.stats.get_misses += sum(1 for chunk in results if chunk is None)
+            self.core.after_hits(namespace, keys, results)
+        return results
+
+    # -- explicit movement ------------------------------------------------
+
+    def demote(
+        self, namespace: Namespace, keys: Sequence[ChunkKey], to: TierKind | None = None
+    ) -> int:
+        """Move each unpinned key out of its fastest tier one level down (write-back).
+        Returns how many moved; a key held only by the last tier is dropped.
+
+        With ``to``, move each key out of every tier faster than ``to``, writing
+        it back into ``to`` (or the first configured tier below it) unless a copy
+        is already held there or lower; a key already no faster than ``to`` does
+        not count. A ``to`` below every configured tier drops the keys.
+        """
+        placement = self.core.placement
+        target = None if to is None else next((k for k in placement.order if k >= to), None)
+        moved = 0
+        with self.core.lock:
+            self.core.check_open()
+            for key in keys:
+                meta = self.core.index.get(key)
+                if meta is None or meta.namespace != namespace.digest or meta.pins:
+                    continue
+                fastest = meta.fastest
+                assert fastest is not None, "an indexed block is held somewhere"
+                if to is None:
+                    placement.evict(fastest, key, meta)
+                    moved += 1
+                    continue
+                faster = [kind for kind in sorted(meta.sizes) if target is None or kind < target]
+                for kind in faster:
+                    placement.evict(kind, key, meta, to=target, drop=target is None)
+                moved += bool(faster)
+        return moved
+
+    def promote(
+        self, namespace: Namespace, keys: Sequence[ChunkKey], to: TierKind | None = None
+    ) -> int:
+        """Copy each key up to tier ``to`` (default: the fastest). Returns how many moved."""
+        placement = self.core.placement
+        target = to if to is not None else placement.fastest
+        keys = list(keys)
+        chunks = self.core.read(namespace, keys)
+        admissions: list[Admission] = []
+        with self.core.lock:
+            for key, chunk in zip(keys, chunks, strict=True):
+                meta = self.core.index.get(key)
+                if chunk is None or meta is None or target in meta.sizes or chunk.tier < target:
+                    continue
+                block = placement.encode(namespace, key, meta.parent, chunk.payload, target)
+                admissions.append(Admission(key, block, meta.parent))
+            placement.admit(target, namespace.digest, admissions, protect=frozenset(keys))
+            return placement.count_promotions(admissions, target)
+
+    def pin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Protect keys from eviction until ``unpin``; returns how many were found."""
+        with self.core.lock:
+            return len(self.core.index.pin(keys))
+
+    def unpin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> None:
+        with self.core.lock:
+            self.core.placement.unpin(keys)
+
+    def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Remove keys from every tier; returns how many were held anywhere.
+
+        A pinned key (a read in progress, a shared-memory lease) is deleted when
+        its last pin goes, so no reader's bytes are freed and reused under it;
+        until then it stays readable, which serves nothing stale: a key names
+        its content.
+        """
+        deleted = 0
+        with self.core.lock:
+            self.core.check_open()
+            for key in keys:
+                meta = self.core.index.get(key)
+                if meta is not None and meta.pins:
+                    meta.deleted = True
+                    deleted += 1
+                    continue
+                deleted += self.core.placement.forget_everywhere(namespace.digest, key)
+        return deleted
+
+    def scrub(self, batch: int = 64) -> int:
+        """Re-verify the blocks of the memory tiers; how many failed (``Maintenance.scrub``)."""
+        return self._maintenance.scrub(batch)
+
+    def flush(self, *, deadline: float | None = None, batch: int = 64) -> int:
+        """Copy blocks only a volatile tier holds into the first persistent tier;
+        how many were written (``Maintenance.flush``)."""
+        return self._maintenance.flush(deadline=deadline, batch=batch)
+
+    # -- stats and lifecycle ------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters, with each tier's current usage."""
+        with self.core.lock:
+            snapshot = self.core.stats.snapshot()
+            for kind, tier in self.core.placement.tiers.items():
+                counters = snapshot.tier(kind)
+                counters.used_bytes = tier.used_bytes()
+                counters.blocks = self.core.index.count(kind)
+            return snapshot
+
+    def tier(self, kind: TierKind) -> Tier:
+        """The tier object of ``kind`` (for tools and tests)."""
+        return self.core.placement.tiers[kind].tier
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the store's lock, which guards the eviction policy as well as the index.
+
+        A caller that drives a session policy's own hooks (``on_idle``,
+        ``on_resume``, ``tick``; ``kvstore.predictor.driver``) from a thread of
+        its own holds it meanwhile, so those hooks never interleave with the
+        eviction hooks the store calls. Re-entrant: the store's methods may be
+        called inside (a policy demotes and promotes through them).
+        """
+        with self.core.lock:
+            yield
+
+    @property
+    def tier_kinds(self) -> list[TierKind]:
+        return list(self.core.placement.order)
+
+    def close(self) -> None:
+        """Stop the scrubber and close every tier (idempotent)."""
+        self._maintenance.stop()
+        self.core.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,206 @@
+"""Online learning of return times: forecast at idle, learn when the label is known.
+
+The order of things for one idle period of a session::
+
+    request_finished ─► on_idle: features at this moment, forecast P(return within h)
+                         for every horizon; the forecast is now *open*
+    time passes      ─► tick(now): each horizon h with now - at > h is labelled 0
+    request_started  ─► on_return(gap): every horizon still open is labelled
+                         1 if gap <= h else 0; the forecast is closed
+
+Each label is known exactly once, is scored (``PrequentialScores``) against
+the probability given at idle, and is then learnt from: every batch of newly
+known labels (one return, or all horizons that one ``tick`` saw pass) is one
+optimiser step. Scoring before learning is what makes the scores prequential.
+
+A session that goes idle again without having returned (a lost
+``request_started``) or is forgotten leaves its open labels unknown: they are
+dropped, not guessed, because a wrong label teaches the model a wrong lesson.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.keys import ChunkKey
+from kvstore.predictor.learning.features import feature_vector
+from kvstore.predictor.learning.model import ReturnModel
+from kvstore.predictor.learning.quality import PrequentialScores
+from kvstore.predictor.learning.sessions import SessionState, SessionTracker
+from kvstore.wire.events import RequestStarted, SessionEvent
+
+
+@dataclass(frozen=True)
+class ReturnForecast:
+    """P(return within each horizon), made when ``session`` went idle at ``at``."""
+
+    session: str
+    at: float
+    horizons: tuple[float, ...]
+    probabilities: tuple[float, ...]
+
+    def within(self, seconds: float) -> float:
+        """P(return within ``seconds`` of going idle), between the horizons.
+
+        Linear in ``log1p(seconds)`` from 0 at 0 s through each horizon, the
+        scale on which human waits spread evenly; beyond the last horizon the
+        model knows nothing more, so it stays at the last probability.
+        """
+        xs = [0.0, *(math.log1p(h) for h in self.horizons)]
+        return float(np.interp(math.log1p(max(0.0, seconds)), xs, [0.0, *self.probabilities]))
+
+
+@dataclass(eq=False)  # identity: one entry per idle period, usable as a dict key
+class _Open:
+    """A forecast with labels still to learn. Owned by ``OnlineLearner``."""
+
+    forecast: ReturnForecast
+    features: np.ndarray
+    last_gap: float | None  # the session's previous gap at idle, for the last-gap baseline
+    unknown: list[bool]  # per horizon: label not known yet
+
+
+class OnlineLearner:
+    """Forecasts for idle sessions, labels as time and returns reveal them, one step per batch.
+
+    Not thread-safe: one caller (the daemon's event handler, the replay loop)
+    feeds it events in time order.
+    """
+
+    def __init__(
+        self,
+        model: ReturnModel,
+        tracker: SessionTracker,
+        scores: PrequentialScores | None = None,
+        *,
+        learn_at_horizon: bool = True,
+    ) -> None:
+        """``learn_at_horizon`` (the default): learn (and score) each label when its horizon
+        closes, a return's too, rather than as soon as it is known. A return is known early but a
+        non-return only at the horizon, so learning returns at once feeds the model
+        fresher positives than negatives; with any feature that moves with time (the
+        clock, a session's age) it learns that "now" is a time of returns: the
+        delayed-feedback bias. Replaying the Mooncake conversation trace, P(back within
+        10 min) drifted to 0.999 against a base rate of 0.34 (Brier 0.62) without it,
+        and stayed calibrated with it (Brier 0.22). ``False`` learns every label the moment
+        it is known: only for tests that check labelling one event at a time."""
+        self.model = model
+        self.tracker = tracker
+        self.scores = scores
+        self.learn_at_horizon = learn_at_horizon
+        self._open: dict[str, _Open] = {}
+        self._returned: dict[_Open, float] = {}  # learn_at_horizon: forecast -> its gap
+        # (deadline, sequence, horizon index, forecast): when a horizon of a forecast passes.
+        # Entries of sessions that returned early stay until their deadline and are skipped
+        # then, so the heap holds at most the forecasts of the last (largest horizon) seconds.
+        self._deadlines: list[tuple[float, int, int, _Open]] = []
+        self._sequence = 0
+
+    def observe(
+        self,
+        event: SessionEvent,
+        keys: Sequence[ChunkKey] = (),
+        namespace: bytes | None = None,
+        user: str | None = None,
+    ) -> ReturnForecast | None:
+        """Feed one event to the tracker and the learner; returns the forecast if it made one.
+
+        The one call a daemon or a replay needs per event: it first labels the
+        horizons that passed before ``event.time``, so labels arrive in time order.
+        """
+        self.tick(event.time)
+        if isinstance(event, RequestStarted):
+            state, gap = self.tracker.started(event, keys, namespace, user)
+            if gap is not None:
+                self.on_return(state, gap)
+            return None
+        state = self.tracker.finished(event, keys, namespace)
+        return None if state.active else self.on_idle(state, event.time)
+
+    def on_idle(self, state: SessionState, now: float) -> ReturnForecast:
+        """Forecast ``state``'s return; its labels are learnt as they become known."""
+        features = feature_vector(state, now, self.tracker)
+        probabilities = self.model.predict(features)
+        forecast = ReturnForecast(
+            session=state.session,
+            at=now,
+            horizons=self.model.horizons,
+            probabilities=tuple(float(p) for p in probabilities),
+        )
+        entry = _Open(
+            forecast=forecast,
+            features=features,
+            last_gap=state.gaps[-1] if state.gaps else None,
+            unknown=[True] * len(forecast.horizons),
+        )
+        self._open[state.session] = entry
+        for k, horizon in enumerate(forecast.horizons):
+            self._sequence += 1
+            heapq.heappush(self._deadlines, (now + horizon, self._sequence, k, entry))
+        return forecast
+
+    def on_return(self, state: SessionState, gap: float) -> None:
+        """``state`` returned after ``gap`` seconds idle: label and learn every open horizon."""
+        entry = self._open.pop(state.session, None)
+        if entry is None:
+            return
+        if self.learn_at_horizon:  # labelled by ``tick`` as each horizon closes
+            self._returned[entry] = gap
+            return
+        labels = [
+            (entry, k, int(gap <= horizon))
+            for k, horizon in enumerate(entry.forecast.horizons)
+            if entry.unknown[k]
+        ]
+        self._learn(labels)
+
+    def tick(self, now: float) -> None:
+        """Label 0 every open horizon that has passed by ``now`` (strictly), in one step
+        (with ``learn_at_horizon``, returns' labels too, 1 where the gap was within)."""
+        labels: list[tuple[_Open, int, int]] = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, _, k, entry = heapq.heappop(self._deadlines)
+            gap = self._returned.get(entry)
+            if gap is not None:
+                labels.append((entry, k, int(gap <= entry.forecast.horizons[k])))
+                if k == len(entry.forecast.horizons) - 1:
+                    del self._returned[entry]
+            elif self._open.get(entry.forecast.session) is entry and entry.unknown[k]:
+                labels.append((entry, k, 0))
+        self._learn(labels)
+
+    def forecast(self, session: str) -> ReturnForecast | None:
+        """The forecast made when ``session`` last went idle, while it stays idle."""
+        entry = self._open.get(session)
+        return entry.forecast if entry is not None else None
+
+    def forget(self, session: str) -> None:
+        """Drop ``session``'s forecast; its unknown labels are never learnt."""
+        self._open.pop(session, None)
+
+    def _learn(self, labels: list[tuple[_Open, int, int]]) -> None:
+        """Score, then learn from, a batch of newly known labels: one optimiser step."""
+        if not labels:
+            return
+        rows: dict[_Open, int] = {}  # entry -> its row in the batch
+        for entry, _, _ in labels:
+            rows.setdefault(entry, len(rows))
+        shape = (len(rows), len(self.model.horizons))
+        targets = np.zeros(shape, dtype=np.float32)
+        mask = np.zeros(shape, dtype=bool)
+        for entry, k, label in labels:
+            entry.unknown[k] = False
+            row = rows[entry]
+            targets[row, k] = label
+            mask[row, k] = True
+            if self.scores is not None:
+                forecast = entry.forecast
+                self.scores.record(
+                    forecast.horizons[k], forecast.probabilities[k], label, entry.last_gap
+                )
+        self.model.update(np.stack([entry.features for entry in rows]), targets, mask)

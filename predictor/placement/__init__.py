@@ -1,0 +1,13 @@
+"""Where an idle session's KV waits, and which blocks leave a tier first.
+
+::
+
+    hooks.py      the session-policy protocol (on_idle, on_resume, tick), forecasts, prefetch counts
+    policy.py     PlacementPolicy: placement and eviction by forecast return
+    ranking.py    eviction order inside a tier; where between horizons returns fall
+    baselines.py  LRU and a fixed idle timeout, with the same hooks
+
+Every policy here is also the store's ``EvictionPolicy`` (``kvstore.store.eviction``).
+May import: the format, ``kvstore.tiers.kinds``, ``kvstore.store`` and
+``kvstore.predictor.learning``.
+"""

@@ -1,0 +1,565 @@
+"""Placement policies: where an idle session's chain lives, and which blocks go first.
+
+A policy here is two things at once:
+
+* an ``EvictionPolicy`` (``kvstore.store.eviction``) plugged into the store: told of
+  every access and removal per tier, it answers ``victims(tier)`` when
+  capacity pressure must evict;
+* a session policy with three hooks the daemon or the replay calls:
+  ``on_idle`` when a session's last request finishes, ``on_resume`` when one
+  starts, and ``tick`` on a timer. Each takes ``now``; nothing reads a clock.
+
+``PlacementPolicy`` (the predictor's) reads a ``ReturnForecast`` (P(back within
+each horizon), made when the session went idle) again as idle time ``e``
+passes: P(back within ``H`` more seconds | not back after ``e``) =
+(F(e + H) - F(e)) / (1 - F(e)). Between its horizons F is shaped like the
+idle gaps seen so far (``GapShape``); beyond the last one it stays flat.
+
+Idle placement. Each tier has a horizon (HBM 1 min, DRAM 10 min, SSD 1 h,
+Redis 4 h) and a keep threshold::
+
+    target(e) = the fastest tier t with P(back within H_t | e) >= keep_t
+                (none: the chain may be dropped)
+
+A chain whose target is slower than where it lies leaves that tier at once,
+when the forecast is made or at a later look, but only under current
+pressure: a tier with room (below ``FULL``), or whose next victim ranks below
+the chain, keeps it, as freeing the space would buy nothing yet. It moves down
+to the first tier that keeps it; the last tier always does, and there ranked
+eviction decides, so "SSD within hours, dropped otherwise" is what pressure
+does to a chain nobody expects back. When the target rises above where the chain lies (a step-shaped
+forecast, a tool result on its way), the chain is promoted ahead of the
+return: a prefetch. ``on_resume`` prefetches too: a request-began event means
+the lookup is next. ``prefetches`` counts what became of them.
+
+A prefetch reads the chain from a slower tier (LMDB, Redis: milliseconds per
+MiB), and the hooks run under the store's lock. With ``defer_prefetches`` a
+hook only plans it (``PlannedPrefetch``); the caller takes the plans
+(``take_prefetches``) and runs each after letting go of the lock
+(``prefetch``), so the read holds up no other request: the store takes its
+lock only to admit what was read. The daemon defers; the replay, one thread
+with nobody to hold up, runs each plan at once, in the hook.
+
+Eviction by predicted reuse. Each block belongs to the last session that
+touched it. ``victims(tier)`` ranks sessions by the chance that they are back
+while a block kept in that tier would stay there (the tier's measured mean
+residence before eviction, at most its horizon), ties by the chance that they
+come back at all, then least recently touched first; a session's blocks go
+tail first. Only leaves go: a block with a child in the same tier stays, so a
+cached prefix stays a prefix and a system prompt shared by every session
+outlives the chains that extend it, whoever touched it last. Blocks of
+running sessions rank last; blocks no session touched rank first, LRU.
+
+Ownership, not membership, decides what a session's idle placement moves, so
+one session going idle does not demote a prefix the others keep using.
+
+``TTLPolicy`` (an idle timeout demotes out of HBM, eviction LRU) and
+``LRUBaseline`` (LRU, hooks that do nothing) are the baselines; the oracle is
+``PlacementPolicy`` fed ``perfect_forecast``: the true next arrival read from
+the trace, a perfect classifier at the model's horizons.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.predictor.placement.baselines import LRUBaseline, TTLPolicy
+from kvstore.predictor.placement.hooks import (
+    Forecast,
+    IdleSession,
+    PrefetchStats,
+    SessionPolicy,
+    perfect_forecast,
+    session_namespace,
+)
+from kvstore.predictor.placement.ranking import GapShape, Rank, TierRanking
+from kvstore.store.eviction import LRUPolicy
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Thresholds of ``PlacementPolicy``; tuples are indexed by ``TierKind`` (HBM first)."""
+
+    horizons_s: tuple[float, float, float, float] = (60.0, 600.0, 3600.0, 4 * 3600.0)
+    keep: tuple[float, float, float, float] = (0.5, 0.5, 0.5, 0.5)
+    """Keep a chain in a tier while P(back within its horizon) is at least this."""
+    check_min_s: float = 10.0
+    check_fraction: float = 0.25
+    check_max_s: float = 300.0
+    """An idle session is re-placed after ``clamp(fraction * idle time, min, max)`` seconds."""
+
+    def horizon(self, kind: TierKind) -> float:
+        return self.horizons_s[kind]
+
+
+@dataclass
+class _Session:
+    """What ``PlacementPolicy`` knows of one session. Owned by the policy."""
+
+    name: str
+    active: bool = False
+    idle_since: float = 0.0
+    forecast: Forecast | None = None
+    state: IdleSession | None = None
+    target: TierKind | None = None  # the tier its forecast called for at the last look
+    levels: tuple[tuple[float, float], ...] = ()  # (horizon, P(back within it)) at idle
+    epoch: int = 0  # bumped at every idle and resume, so stale checks are skipped
+    touched: int = 0  # recency: a counter bumped at every access
+    score: dict[TierKind, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlannedPrefetch:
+    """A prefetch a hook decided on: promote ``keys`` (the cached head of a session's
+    chain) to tier ``to``; ``sources`` are the keys held only slower than ``to``
+    when it was planned, with their fastest tier; ``planned_at`` the hook's ``now``."""
+
+    namespace: Namespace
+    keys: tuple[ChunkKey, ...]
+    to: TierKind
+    sources: tuple[tuple[ChunkKey, TierKind], ...]
+    planned_at: float
+
+
+# One session's place in a tier's eviction order: (p within horizon, p at all, recency).
+
+
+FULL = 0.95  # a tier this full is under pressure: a chain must outrank its next victim
+_RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
+_ACTIVE: tuple[float, float] = (INF, INF)
+_UNKNOWN: tuple[float, float] = (0.0, 0.0)
+
+
+class PlacementPolicy:
+    """Idle placement and eviction by forecast return; see the module docstring."""
+
+    def __init__(
+        self, config: PlacementConfig | None = None, *, defer_prefetches: bool = False
+    ) -> None:
+        self.config = config if config is not None else PlacementConfig()
+        self.defer_prefetches = defer_prefetches
+        self._planned: list[PlannedPrefetch] = []
+        self.prefetches = PrefetchStats()
+        self.gaps = GapShape()
+        self.demoted = 0  # chunks moved down by idle placement (not by pressure)
+        self._now = 0.0
+        self._recency = itertools.count(1)
+        self._sessions: dict[str, _Session] = {}
+        self._tiers: dict[TierKind, TierRanking] = {kind: TierRanking() for kind in TierKind}
+        self._anonymous = LRUPolicy()  # blocks no session touched
+        self._owner: dict[ChunkKey, str] = {}  # last session to touch each held key
+        self._prefetched: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
+        self._checks: list[tuple[float, int, int, str]] = []  # (when, seq, epoch, session)
+        self._sequence = itertools.count()
+        self._entered: dict[TierKind, dict[ChunkKey, float]] = {kind: {} for kind in TierKind}
+        self._residence: dict[TierKind, float] = {}  # mean stay before eviction, per tier
+        self._moving: set[ChunkKey] = set()  # keys idle placement is moving right now
+        self._parent: dict[ChunkKey, ChunkKey] = {}  # from session chains
+        self._store: TieredStore | None = None  # the store the hooks were last called with
+        self._linked: dict[TierKind, dict[ChunkKey, ChunkKey]] = {k: {} for k in TierKind}
+        self._children: dict[TierKind, dict[ChunkKey, int]] = {k: {} for k in TierKind}
+
+    # -- EvictionPolicy ----------------------------------------------------
+
+    def on_access(
+        self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
+    ) -> None:
+        ranking = self._tiers[tier]
+        prefetched = self._prefetched[tier]
+        entered = self._entered[tier]
+        anonymous: list[ChunkKey] = []
+        touched: dict[str, None] = {}
+        for key in keys:
+            if key not in entered:
+                entered[key] = self._now
+                self._count_child(tier, key)
+            if prefetched and key in prefetched:
+                prefetched.discard(key)
+                self.prefetches.used += 1
+            if session is not None:
+                self._owner[key] = session
+            owner = self._owner.get(key)
+            if owner is None:
+                anonymous.append(key)
+                continue
+            ranking.add(key, owner)
+            touched[owner] = None
+        if anonymous:
+            self._anonymous.on_access(tier, anonymous)
+        for owner in touched:
+            state = self._session(owner)
+            state.touched = next(self._recency)
+            ranking.rank(owner, self._rank(state, tier))
+
+    def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
+        self._tiers[tier].remove(key)
+        parent = self._linked[tier].pop(key, None)
+        if parent is not None:
+            children = self._children[tier]
+            children[parent] -= 1
+            if not children[parent]:
+                del children[parent]
+        since = self._entered[tier].pop(key, None)
+        if since is not None and key not in self._moving:
+            stay = self._now - since
+            mean = self._residence.get(tier)
+            self._residence[tier] = (
+                stay if mean is None else mean + _RESIDENCE_WEIGHT * (stay - mean)
+            )
+        self._anonymous.on_remove(tier, key)
+        prefetched = self._prefetched[tier]
+        if prefetched and key in prefetched:
+            prefetched.discard(key)
+            self.prefetches.wasted += 1
+        if not any(key in entered for entered in self._entered.values()):
+            self._owner.pop(key, None)
+            self._parent.pop(key, None)
+
+    def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
+        """Leaves only: a block with a child in the same tier stays, so a shared prefix
+        outlives every chain that extends it, whoever touched it last."""
+        children = self._children[tier]
+        for key in itertools.chain(self._anonymous.victims(tier), self._tiers[tier].victims()):
+            if key not in children:
+                yield key
+
+    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+        """Where a victim of ``tier`` goes (``kvstore.store.placement`` asks): the first slower
+        tier that has room or whose next victim the block's session outranks; the
+        last tier if none. ``None`` (the next tier) when the policy has no say."""
+        store = self._store
+        owner = self._owner.get(key)
+        session = self._sessions.get(owner) if owner is not None else None
+        if store is None or session is None:
+            return None
+        slower = [kind for kind in store.tier_kinds if kind > tier]
+        chances = {kind: self._rank(session, kind)[:2] for kind in slower}
+        for kind in slower[:-1]:
+            if self._fits(store, kind, session.name, chances):
+                return kind
+        return slower[-1] if slower else None
+
+    def _link(self, chain: Sequence[ChunkKey]) -> None:
+        """Learn the parent of every key of ``chain`` (a key names its whole prefix, so
+        its parent never changes), and count it where the key is already held."""
+        for parent, key in itertools.pairwise(chain):
+            if key in self._parent:
+                continue
+            self._parent[key] = parent
+            for tier, entered in self._entered.items():
+                if key in entered:
+                    self._count_child(tier, key)
+
+    def _count_child(self, tier: TierKind, key: ChunkKey) -> None:
+        parent = self._parent.get(key)
+        linked = self._linked[tier]
+        if parent is not None and key not in linked:
+            linked[key] = parent
+            children = self._children[tier]
+            children[parent] = children.get(parent, 0) + 1
+
+    # -- session hooks -----------------------------------------------------
+
+    def on_idle(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
+    ) -> TierKind | None:
+        self._now, self._store = now, store
+        session = self._session(state.session)
+        session.active = False
+        session.idle_since = now
+        session.forecast = forecast
+        session.levels = (
+            tuple((h, forecast.within(h)) for h in forecast.horizons) if forecast else ()
+        )
+        session.state = state
+        session.target = None
+        session.epoch += 1
+        self._link(state.chain)
+        return self._place(store, session, now)
+
+    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
+        """Prefetch the session's chain into the fastest tier: its lookup is next."""
+        self._now, self._store = now, store
+        session = self._session(state.session)
+        if not session.active and session.forecast is not None:
+            self.gaps.add(now - session.idle_since)
+        session.active = True
+        session.state = state
+        session.epoch += 1
+        self._link(state.chain)
+        self._rerank(session)
+        self._prefetch(store, session, store.tier_kinds[0])
+
+    def tick(self, store: TieredStore, now: float) -> None:
+        """Re-place the idle sessions whose next look is due."""
+        self._now, self._store = now, store
+        while self._checks and self._checks[0][0] <= now:
+            _, _, epoch, name = heapq.heappop(self._checks)
+            session = self._sessions.get(name)
+            if session is not None and session.epoch == epoch and not session.active:
+                self._place(store, session, now)
+
+    # -- placement ---------------------------------------------------------
+
+    def _place(self, store: TieredStore, session: _Session, now: float) -> TierKind:
+        """Move an idle session's chain where its forecast says for its idle time so far,
+        then schedule the next look (sooner while the idle time is short)."""
+        order = store.tier_kinds
+        state = session.state
+        assert state is not None
+        chances = {kind: self._returning(session, kind, now) for kind in order}
+        self._rerank(session, chances)
+        target: TierKind | None
+        if state.tool_running:  # a tool result is on its way back
+            target = order[0]
+        else:
+            target = next(
+                (
+                    kind
+                    for kind in order
+                    if self._chance(session, self.config.horizon(kind), now)
+                    >= self.config.keep[kind]
+                ),
+                None,
+            )
+        # The chain stays in a tier at least as fast as its target, and in a faster one
+        # while that has room or the chain outranks its next victim (current pressure):
+        # holding it there costs nothing until someone else needs the space.
+        placed = order[0]
+        while (
+            placed != order[-1]
+            and (target is None or target > placed)
+            and not self._fits(store, placed, session.name, chances)
+        ):
+            placed = order[order.index(placed) + 1]
+        level = self._level(session.name)
+        namespace = session_namespace(store, state)
+        rising = target is not None and (session.target is None or target < session.target)
+        session.target = target
+        if namespace is not None and level is not None:
+            if (
+                rising
+                and target is not None
+                and target < level
+                and self._fits(store, target, session.name, chances)
+            ):
+                self._prefetch(store, session, target)
+                placed = target
+            elif placed > level:
+                self._demote(store, namespace, session.name, placed)
+        if self._level(session.name) is None:
+            del self._sessions[session.name]  # nothing left to place
+        else:
+            elapsed = now - session.idle_since
+            wait = min(
+                max(self.config.check_fraction * elapsed, self.config.check_min_s),
+                self.config.check_max_s,
+            )
+            check = (now + wait, next(self._sequence), session.epoch, session.name)
+            heapq.heappush(self._checks, check)
+        return placed
+
+    def _returning(self, session: _Session, kind: TierKind, now: float) -> tuple[float, float]:
+        """The session's rank in tier ``kind``: P(back while a block it keeps there would
+        stay, given idle so far), then P(back within the longest horizon)."""
+        if session.active:
+            return _ACTIVE
+        if session.forecast is None:
+            return _UNKNOWN
+        soon = self._chance(session, self.stay(kind), now)
+        return (soon, self._chance(session, max(self.config.horizons_s), now))
+
+    def _chance(self, session: _Session, seconds: float, now: float) -> float:
+        """P(back within ``seconds`` from ``now`` | not back yet), from its forecast."""
+        if session.forecast is None:
+            return 0.0
+        elapsed = max(0.0, now - session.idle_since)
+        before = self._within(session, elapsed)
+        rest = 1.0 - before
+        if rest <= 1e-9:
+            return 0.0
+        return max(0.0, (self._within(session, elapsed + seconds) - before) / rest)
+
+    def _within(self, session: _Session, seconds: float) -> float:
+        """The session's forecast at its horizons, shaped between them by ``GapShape``."""
+        forecast = session.forecast
+        assert forecast is not None
+        low, p_low = 0.0, 0.0
+        for high, p_high in session.levels:
+            if seconds <= high:
+                share = self.gaps.share(low, high, seconds)
+                if share is None:
+                    return forecast.within(seconds)
+                return p_low + (p_high - p_low) * share
+            low, p_low = high, p_high
+        return p_low if session.levels else forecast.within(seconds)
+
+    def stay(self, kind: TierKind) -> float:
+        """How long a block kept in ``kind`` now is likely to stay: the tier's mean
+        residence before eviction (current pressure), at most its horizon."""
+        horizon = self.config.horizon(kind)
+        residence = self._residence.get(kind)
+        if residence is None:
+            return horizon
+        return min(horizon, max(residence, self.config.check_min_s))
+
+    def _demote(self, store: TieredStore, namespace: Namespace, name: str, to: TierKind) -> None:
+        """Move the blocks session ``name`` owns out of every tier faster than ``to``."""
+        owned: dict[ChunkKey, None] = {}
+        for kind, ranking in self._tiers.items():
+            if kind < to:
+                owned.update(dict.fromkeys(ranking.blocks.get(name, ())))
+        if not owned:
+            return
+        self._moving = set(owned)
+        try:
+            self.demoted += store.demote(namespace, list(owned), to=to)
+        finally:
+            self._moving = set()
+
+    def take_prefetches(self) -> list[PlannedPrefetch]:
+        """The prefetches planned since the last call (``defer_prefetches``), in order.
+        Under the store's lock, as every hook."""
+        planned, self._planned = self._planned, []
+        return planned
+
+    def prefetch(self, store: TieredStore, plan: PlannedPrefetch) -> None:
+        """Run a planned prefetch. Called without the store's lock (it is taken here to
+        count what landed), so the read from the slower tier holds up nobody."""
+        store.promote(plan.namespace, list(plan.keys), to=plan.to)
+        with store.locked():
+            self._landed(store, plan)
+
+    def _prefetch(self, store: TieredStore, session: _Session, to: TierKind) -> None:
+        """Promote the chunks of the session's chain held slower than ``to`` up to ``to``:
+        at once, or, ``defer_prefetches``, once the caller has let go of the lock."""
+        state = session.state
+        if state is None:
+            return
+        namespace = session_namespace(store, state)
+        if namespace is None:
+            return
+        # The cached head of the chain (a lookup reads no further), at most half the
+        # tier: a longer one would only push itself, and everyone else, out again. All
+        # of it goes to ``promote``, so the part already in ``to`` is protected too.
+        head: list[ChunkKey] = []
+        slower: list[tuple[ChunkKey, TierKind]] = []
+        for key in state.chain[: self._slots(store, to) // 2]:
+            fastest = self._fastest(key)
+            if fastest is None:
+                break
+            head.append(key)
+            if fastest > to:
+                slower.append((key, fastest))
+        if not slower:
+            return
+        plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now)
+        if self.defer_prefetches:
+            self._planned.append(plan)
+            return
+        store.promote(namespace, head, to=to)
+        self._landed(store, plan)
+
+    def _landed(self, store: TieredStore, plan: PlannedPrefetch) -> None:
+        """Count the chunks of ``plan`` that arrived in its tier as issued prefetches."""
+        landed = self._tiers[plan.to].owner
+        copies = [(key, source) for key, source in plan.sources if key in landed]
+        for key, _ in copies:
+            self._prefetched[plan.to].add(key)
+        self.prefetches.issued += len(copies)
+        self.prefetches.transfer(copies, plan.planned_at, _chunk_seconds(store, plan.namespace))
+
+    def _slots(self, store: TieredStore, kind: TierKind) -> int:
+        """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
+        tier = store.tier(kind)
+        held = len(self._entered[kind])
+        used = tier.used_bytes()
+        if not held or not used:
+            return 1 << 30  # empty: no size to go by yet, and no one to push out
+        return int(tier.capacity_bytes() * held / used)
+
+    def _fits(
+        self,
+        store: TieredStore,
+        kind: TierKind,
+        name: str,
+        chances: dict[TierKind, tuple[float, float]],
+    ) -> bool:
+        """Whether tier ``kind`` has room, or session ``name`` with these chances ranks above
+        the session next in line for eviction there."""
+        tier = store.tier(kind)
+        if tier.used_bytes() < FULL * tier.capacity_bytes():
+            return True
+        return chances[kind] > self._marginal(kind, name)
+
+    def _marginal(self, kind: TierKind, name: str) -> tuple[float, float]:
+        """The chances of the session other than ``name`` next in line for eviction from
+        ``kind`` (as of its last look)."""
+        if next(iter(self._anonymous.victims(kind)), None) is not None:
+            return (0.0, 0.0)
+        ranking = self._tiers[kind]
+        ranking.drop_stale()
+        for entry in ranking.entries:
+            if entry[1] != name and ranking.live.get(entry[1]) is entry:
+                return (entry[0][0], entry[0][1])
+        return (0.0, 0.0)
+
+    def _fastest(self, key: ChunkKey) -> TierKind | None:
+        return next((kind for kind, r in self._tiers.items() if key in r.owner), None)
+
+    def _level(self, name: str) -> TierKind | None:
+        """The fastest tier holding a block session ``name`` owns."""
+        return next((kind for kind, r in self._tiers.items() if name in r.blocks), None)
+
+    # -- ranking -----------------------------------------------------------
+
+    def _session(self, name: str) -> _Session:
+        session = self._sessions.get(name)
+        if session is None:
+            session = self._sessions[name] = _Session(name)
+        return session
+
+    def _rank(self, session: _Session, kind: TierKind) -> Rank:
+        chance = session.score.get(kind)
+        if chance is None or session.active:
+            chance = self._returning(session, kind, self._now)
+        return (chance[0], chance[1], session.touched)
+
+    def _rerank(
+        self, session: _Session, chances: dict[TierKind, tuple[float, float]] | None = None
+    ) -> None:
+        session.score = dict(chances) if chances is not None else {}
+        for kind, ranking in self._tiers.items():
+            if session.name in ranking.blocks:
+                ranking.rank(session.name, self._rank(session, kind))
+
+
+def _chunk_seconds(store: TieredStore, namespace: Namespace) -> dict[TierKind, float]:
+    """How long one chunk of ``namespace`` takes to load from each tier (``CostModel``)."""
+    costs = store.config.costs
+    layout = namespace.layout
+    per_token = costs.kv_bytes_per_token or layout.chunk_nbytes / layout.chunk_tokens
+    return {kind: costs.load_seconds(kind, layout.chunk_tokens, per_token) for kind in TierKind}
+
+
+__all__ = [
+    "Forecast",
+    "GapShape",
+    "IdleSession",
+    "LRUBaseline",
+    "PlacementConfig",
+    "PlacementPolicy",
+    "PrefetchStats",
+    "SessionPolicy",
+    "TTLPolicy",
+    "perfect_forecast",
+]

@@ -1,0 +1,207 @@
+"""``kvstore replay`` and ``kvstore train-predictor``: the command-line faces of the replay.
+
+::
+
+    kvstore replay TRACE [--format mooncake|tracelab]
+                   [--policy lru,ttl:60,ttl:300,ttl:600,predictor,oracle]
+                   --hbm-gb X --dram-gb Y --ssd-gb Z [--redis-gb W]
+                   [--kv-bytes-per-token N] [--recompute-tokens-per-s R]
+                   [--max-requests N] [--model FILE] [--json] [--plot DIR]
+    kvstore train-predictor TRACE... [--format ...] --out FILE
+
+``kvstore.cli`` registers them (``add_commands``) and hands the parsed
+arguments here (``run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvstore.errors import KVStoreError
+from kvstore.store.config import CostModel
+from kvstore.tiers.kinds import TierKind
+
+COMMANDS = ("replay", "train-predictor")
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Add ``replay`` and ``train-predictor`` to the ``kvstore`` parser."""
+    defaults = CostModel()
+    replay = commands.add_parser(
+        "replay", help="replay a request trace through the real store under several policies"
+    )
+    replay.add_argument("trace", type=Path, help="a trace file (JSON Lines)")
+    replay.add_argument("--format", choices=["mooncake", "tracelab"], help="default: guessed")
+    replay.add_argument(
+        "--policy",
+        default="lru,ttl:60,ttl:300,ttl:600,predictor,oracle",
+        help="comma-separated: lru, ttl:SECONDS, predictor, oracle (default: all six)",
+    )
+    replay.add_argument("--hbm-gb", type=float, required=True, help="HBM tier, GB of KV")
+    replay.add_argument("--dram-gb", type=float, required=True, help="DRAM tier, GB of KV")
+    replay.add_argument("--ssd-gb", type=float, required=True, help="SSD (LMDB) tier, GB of KV")
+    replay.add_argument("--redis-gb", type=float, help="Redis tier (a private redis-server)")
+    replay.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131072,
+        help="KV size of the modeled model (default: Llama-3.1-8B, 131072)",
+    )
+    replay.add_argument(
+        "--recompute-tokens-per-s",
+        type=float,
+        default=defaults.recompute_tokens_per_s,
+        help=f"prefill rate (default {defaults.recompute_tokens_per_s:g})",
+    )
+    for kind in TierKind:
+        value = defaults.bytes_per_s(kind)
+        replay.add_argument(
+            f"--{kind.label}-bytes-per-s",
+            type=float,
+            default=value,
+            help=f"{kind.label} reload bandwidth (default {value:g})",
+        )
+    replay.add_argument("--tick", type=float, default=10.0, help="policy timer, seconds")
+    replay.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    replay.add_argument("--model", type=Path, help="start the predictor from a trained model")
+    replay.add_argument(
+        "--score-from",
+        type=float,
+        default=float("-inf"),
+        metavar="SECONDS",
+        help="charge only requests from this trace time on (after pre-training on the part before)",
+    )
+    replay.add_argument("--json", action="store_true", help="print the report as JSON")
+    replay.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots to DIR")
+    replay.add_argument(
+        "--sweep-hbm",
+        help="HBM sizes (GB, comma-separated) for the hit-rate-vs-HBM plot "
+        "(default with --plot: half and double --hbm-gb)",
+    )
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    train = commands.add_parser(
+        "train-predictor", help="train the return-time model offline from traces"
+    )
+    train.add_argument("traces", type=Path, nargs="+", help="trace files, learnt in order")
+    train.add_argument("--format", choices=["mooncake", "tracelab"], help="default: guessed")
+    train.add_argument("--out", type=Path, required=True, help="where to save the model")
+    train.add_argument("--hidden", type=int, default=16, help="hidden units (0: logistic)")
+    train.add_argument("--json", action="store_true", help="print the scores as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.command == "replay":
+            return _replay(args)
+        return _train(args)
+    except KVStoreError as error:
+        print(f"kvstore {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kvstore.predictor.replay.costs import Sizing
+    from kvstore.predictor.replay.report import format_table, plot, summarize
+    from kvstore.predictor.replay.simulator import (
+        ReplayConfig,
+        horizons_for,
+        idle_gaps,
+        parse_policies,
+        replay,
+    )
+    from kvstore.predictor.replay.traces import TraceFormat, load_trace
+
+    trace = load_trace(args.trace, TraceFormat(args.format) if args.format else None)
+    specs = parse_policies(args.policy)
+    costs = CostModel(
+        recompute_tokens_per_s=args.recompute_tokens_per_s,
+        reload_bytes_per_s={
+            kind: getattr(args, f"{kind.label}_bytes_per_s") for kind in TierKind
+        },
+        kv_bytes_per_token=args.kv_bytes_per_token,
+    )
+    progress = None if args.no_progress else _progress
+    with _redis(args.redis_gb) as redis_url:
+        config = ReplayConfig(
+            sizing=Sizing(args.hbm_gb, args.dram_gb, args.ssd_gb, args.redis_gb),
+            kv_bytes_per_token=args.kv_bytes_per_token,
+            costs=costs,
+            tick_s=args.tick,
+            max_requests=args.max_requests,
+            model_path=args.model,
+            score_from=args.score_from,
+            redis_url=redis_url,
+        )
+        results = replay(trace, specs, config, progress)
+        report = summarize(trace, results, config, horizons_for(trace, config))
+        sweep: dict[float, dict[str, float]] = {}
+        if args.plot is not None:
+            sizes = (
+                [float(x) for x in args.sweep_hbm.split(",") if x.strip()]
+                if args.sweep_hbm
+                else [args.hbm_gb / 2, args.hbm_gb * 2]
+            )
+            sweep[args.hbm_gb] = {r.name: r.hit_rate for r in results}
+            for size in sizes:
+                if size in sweep:
+                    continue
+                sizing = Sizing(size, args.dram_gb, args.ssd_gb, args.redis_gb)
+                sized = dataclasses.replace(config, sizing=sizing)
+                sweep[size] = {r.name: r.hit_rate for r in replay(trace, specs, sized, progress)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+    if args.plot is not None:
+        for path in plot(report, results, idle_gaps(trace, config), sweep, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+@contextlib.contextmanager
+def _redis(redis_gb: float | None) -> Iterator[str | None]:
+    if not redis_gb:
+        yield None
+        return
+    from kvstore.predictor.replay.redis import private_redis
+
+    with private_redis() as url:
+        yield url
+
+
+def _progress(policy: str, done: int, total: int) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    bar = "#" * filled + "-" * (width - filled)
+    end = "\n" if done >= total else ""
+    print(f"\r{policy:>10} [{bar}] {done}/{total} requests", end=end, file=sys.stderr, flush=True)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from kvstore.predictor.learning.features import feature_names
+    from kvstore.predictor.learning.model import REHEARSAL, ReturnModel
+    from kvstore.predictor.replay.simulator import train
+    from kvstore.predictor.replay.traces import TraceFormat, load_trace
+
+    trace_format = TraceFormat(args.format) if args.format else None
+    traces = [load_trace(path, trace_format) for path in args.traces]
+    model = ReturnModel(len(feature_names()), hidden=args.hidden, rehearsal=REHEARSAL)
+    scores = train(traces, model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(args.out)
+    report = scores.report()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        for horizon, auc in report.get("auc", {}).items():
+            brier = report.get("brier", {}).get(horizon)
+            print(f"{horizon:>6} s  AUC {auc:.3f}  Brier {brier:.3f}")
+    print(f"saved {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,175 @@
+"""The package's imports form no cycle, between modules or between folders.
+
+The folders are the package's audiences (``kvstore/__init__`` draws them);
+dependencies run one way::
+
+    format (kvstore/*.py) <- tiers <- store <- wire <- server, client, predictor
+                                                       cli (kvstore/cli/) on top
+
+Every import statement counts, wherever it stands (module level, inside a
+function, under ``TYPE_CHECKING``): a lazy import is still a dependency. The
+front door (``kvstore/__init__.py``, ``kvstore/__main__.py``) is the one
+exception: it names every public object, lazily, and nothing inside the
+package imports it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Source folder -> the package it installs as (pyproject's package-dir).
+SOURCES = {
+    "kvstore": "kvstore",
+    "tiers": "kvstore.tiers",
+    "predictor": "kvstore.predictor",
+    "client": "kvstore.client",
+}
+FRONT_DOOR = frozenset({"kvstore", "kvstore.__main__"})
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+
+    @property
+    def folder(self) -> str:
+        """The folder as a package name: ``kvstore.store``, ``kvstore.tiers``, ``kvstore``."""
+        return self.name if self.path.name == "__init__.py" else self.name.rpartition(".")[0]
+
+
+def modules() -> dict[str, Module]:
+    found: dict[str, Module] = {}
+    for source, package in SOURCES.items():
+        for path in sorted((ROOT / source).rglob("*.py")):
+            parts = path.relative_to(ROOT / source).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join((package, *parts))
+            found[name] = Module(name, path)
+    return found
+
+
+def imported(module: Module, known: dict[str, Module]) -> Iterator[str]:
+    """The project modules ``module`` imports, by name."""
+    is_package = module.path.name == "__init__.py"
+    for node in ast.walk(ast.parse(module.path.read_text(), str(module.path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.name.split(".")
+                parent = parent if is_package else parent[:-1]
+                parent = parent[: len(parent) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != module.name:
+                yield target
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: set(imported(module, known)) for name, module in known.items()}
+
+
+def cycle_in(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``edges`` as a path that starts and ends on the same node, if any."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_front_door_is_imported_by_nothing_inside() -> None:
+    importers = sorted(name for name, targets in graph().items() if FRONT_DOOR & targets)
+    assert importers == []
+
+
+def test_no_module_imports_itself_round_a_cycle() -> None:
+    edges = {name: targets - FRONT_DOOR for name, targets in graph().items()}
+    assert cycle_in(edges) is None
+
+
+def test_no_folder_imports_itself_round_a_cycle() -> None:
+    known = modules()
+    edges: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        if name in FRONT_DOOR:
+            continue
+        folder = known[name].folder
+        edges.setdefault(folder, set()).update(
+            known[target].folder for target in targets if known[target].folder != folder
+        )
+    assert cycle_in(edges) is None
+
+
+@pytest.mark.parametrize(
+    ("lower", "upper"),
+    [
+        ("kvstore", "kvstore.tiers"),
+        ("kvstore.tiers", "kvstore.store"),
+        ("kvstore.store", "kvstore.wire"),
+        ("kvstore.wire", "kvstore.server"),
+        ("kvstore.wire", "kvstore.client"),
+        ("kvstore.wire", "kvstore.predictor"),
+    ],
+)
+def test_dependencies_run_one_way(lower: str, upper: str) -> None:
+    """Nothing in ``lower`` (the folder itself, not its sub-folders) imports ``upper`` or below."""
+    known = modules()
+    wrong = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph().items()
+        if known[name].folder == lower and name not in FRONT_DOOR
+        for target in targets
+        if target == upper or target.startswith(upper + ".")
+    )
+    assert wrong == []
+
+
+def test_every_folder_sits_in_a_named_layer() -> None:
+    """Every folder is one the layers above name (or below one of them), so a new
+    folder is placed on purpose."""
+    layers = {"kvstore.tiers", "kvstore.store", "kvstore.wire", "kvstore.server",
+              "kvstore.client", "kvstore.predictor", "kvstore.cli"}
+    folders = {module.folder for module in modules().values()} - {"kvstore"}
+    unplaced = sorted(
+        folder
+        for folder in folders
+        if not any(folder == layer or folder.startswith(layer + ".") for layer in layers)
+    )
+    assert unplaced == []
+
+
+def test_the_front_door_lists_every_public_name_it_resolves() -> None:
+    import kvstore
+
+    assert sorted(kvstore.__all__) == sorted(kvstore._PUBLIC)
+    for name in kvstore.__all__:
+        assert getattr(kvstore, name).__name__ == name
