@@ -73,8 +73,7 @@ import kvstore  # noqa: E402
 from kvstore.client.embedded import EmbeddedClient  # noqa: E402
 from kvstore.client.hf import HFKVStore, RequestReport  # noqa: E402
 from kvstore.client.hf.loading import load_cache  # noqa: E402
-from kvstore.store.config import StoreConfig
-from kvstore.store.tiered_store import TieredStore  # noqa: E402
+from kvstore.store.config import StoreConfig  # noqa: E402
 from kvstore.tiers.kinds import TierKind  # noqa: E402
 from kvstore.tiers.registry import TierConfig  # noqa: E402
 
@@ -146,7 +145,7 @@ def tier_clients(p: Plan, root: Path, stack: Any) -> Iterator[Iterator[tuple[str
     root.mkdir(parents=True, exist_ok=True)
 
     def embedded(*tiers: TierConfig) -> EmbeddedClient:
-        return EmbeddedClient(TieredStore(StoreConfig(tiers=tiers, promote_on_hit=False)))
+        return EmbeddedClient(StoreConfig(tiers=tiers, promote_on_hit=False))
 
     def clients() -> Iterator[tuple[str, Any]]:
         if p.device.type == "cuda":

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from time import time as wall_clock
-from types import TracebackType
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec
 
 import httpx
 
@@ -20,15 +19,27 @@ from kvstore.client.failures import ClientStats, from_reply, from_transport
 from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
 from kvstore.client.put_body import PutBody
 from kvstore.errors import KVStoreError
-from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.store.stats import StoreStats
-from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
+from kvstore.store.closing import AsyncClosing
 
 log = logging.getLogger("kvstore.client")
 
+P = ParamSpec("P")
 
-class AsyncStoreClient:
+
+def operation(
+    make: Callable[Concatenate[ClientProtocol, P], Operation[T]],
+) -> Callable[Concatenate[AsyncStoreClient, P], Coroutine[Any, Any, T]]:
+    """``ClientProtocol``'s operation ``make`` as a coroutine method: its signature, its
+    docstring, driven to its result over this client's I/O."""
+
+    @functools.wraps(make)
+    async def call(self: AsyncStoreClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(make(self._protocol, *args, **kwargs))
+
+    return call
+
+
+class AsyncStoreClient(AsyncClosing):
     """An asyncio client of ``kvstore serve``: ``TieredStore``'s methods, awaitable.
 
     Share one per event loop; httpx pools the connections. Verification and
@@ -80,79 +91,15 @@ class AsyncStoreClient:
         # Calls held back (``Call.delay_s``): timers, which close() fires at once.
         self._delayed: dict[asyncio.TimerHandle, Call] = {}
 
-    # -- the store's methods ----------------------------------------------------
+    # -- the API (``client.api.AsyncKVClientAPI``): the protocol's operations, driven ---
 
-    async def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> CachedPrefix:
-        """How many leading chunks are cached, and the fastest tier holding each."""
-        return await self._run(self._protocol.lookup(namespace, tokens_or_keys))
-
-    async def put(
-        self,
-        namespace: Namespace,
-        tokens_or_keys: TokensOrKeys,
-        kv_chunks: Sequence[ChunkData | None],
-        *,
-        session: str | None = None,
-    ) -> int:
-        """Store chunk ``i`` under the ``i``-th chunk key; return how many were newly stored."""
-        return await self._run(self._protocol.put(namespace, tokens_or_keys, kv_chunks, session))
-
-    async def get(
-        self,
-        namespace: Namespace,
-        keys: Sequence[ChunkKey],
-        *,
-        out: Sequence[ChunkData] | None = None,
-    ) -> list[KVChunk | None]:
-        """The verified chunk for each key, or ``None``; with ``out``, payloads land in
-        the caller's buffers (see ``TieredStore.get``)."""
-        return await self._run(self._protocol.get(namespace, keys, out))
-
-    async def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
-        """Remove keys from every tier; raises ``TierUnavailable`` if the daemon cannot."""
-        return await self._run(self._protocol.delete(namespace, keys))
-
-    async def stats(self) -> StoreStats:
-        """The daemon's store counters; raises ``TierUnavailable`` if it cannot answer."""
-        return await self._run(self._protocol.stats())
-
-    # -- session events -----------------------------------------------------------
-
-    async def request_started(
-        self,
-        session: str,
-        *,
-        prompt_tokens: int,
-        cached_tokens: int,
-        trigger: Trigger = Trigger.USER,
-        time: float | None = None,
-    ) -> None:
-        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, _now(time))
-        await self._run(self._protocol.event(event))
-
-    async def request_finished(
-        self,
-        session: str,
-        *,
-        steps: int,
-        output_tokens: int,
-        context_tokens: int,
-        loaded_tokens: int,
-        recomputed_tokens: int,
-        tool_running: bool = False,
-        time: float | None = None,
-    ) -> None:
-        event = RequestFinished(
-            session,
-            steps,
-            output_tokens,
-            context_tokens,
-            tool_running,
-            loaded_tokens,
-            recomputed_tokens,
-            _now(time),
-        )
-        await self._run(self._protocol.event(event))
+    lookup = operation(ClientProtocol.lookup)
+    put = operation(ClientProtocol.put)
+    get = operation(ClientProtocol.get)
+    delete = operation(ClientProtocol.delete)
+    stats = operation(ClientProtocol.stats)
+    request_started = operation(ClientProtocol.request_started)
+    request_finished = operation(ClientProtocol.request_finished)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -170,17 +117,6 @@ class AsyncStoreClient:
         if self._blocking is not None:
             self._blocking.close()
         self._protocol.close()
-
-    async def __aenter__(self) -> AsyncStoreClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     # -- I/O --------------------------------------------------------------------------
 
@@ -290,6 +226,3 @@ async def _pieces(body: PutBody) -> AsyncIterator[bytes | memoryview]:
     for piece in body:
         yield piece
 
-
-def _now(when: float | None) -> float:
-    return wall_clock() if when is None else when

@@ -5,18 +5,18 @@ from __future__ import annotations
 import enum
 
 from kvstore.client.address import Address, Scheme, bearer_token
+from kvstore.client.api import AsyncKVClientAPI, KVClientAPI
 from kvstore.client.async_client import AsyncStoreClient
 from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.embedded import AsyncEmbeddedClient, EmbeddedClient
 from kvstore.client.sync_client import StoreClient
 from kvstore.client.transports import async_transport, transport
 from kvstore.errors import ConfigError
-from kvstore.store.async_store import AsyncTieredStore
 from kvstore.store.config import StoreConfig
-from kvstore.store.tiered_store import TieredStore
 
-KVClient = StoreClient | EmbeddedClient
-AsyncKVClient = AsyncStoreClient | AsyncEmbeddedClient
+# What ``connect`` / ``connect_async`` return: the daemon's client or an embedded one.
+KVClient = KVClientAPI
+AsyncKVClient = AsyncKVClientAPI
 
 
 class Transfer(enum.Enum):
@@ -55,7 +55,7 @@ def connect(
     """
     address = Address.parse(url)
     if address.scheme is Scheme.EMBEDDED:
-        return EmbeddedClient(TieredStore(_embedded_config(address)))
+        return EmbeddedClient(_embedded_config(address))
     return StoreClient(
         address.base_url,
         transport=transport(address.path, max_connections),
@@ -80,7 +80,7 @@ def connect_async(
     """The asyncio client of ``connect`` (same options); ``await client.close()``."""
     address = Address.parse(url)
     if address.scheme is Scheme.EMBEDDED:
-        return AsyncEmbeddedClient(AsyncTieredStore(_embedded_config(address)))
+        return AsyncEmbeddedClient(_embedded_config(address))
     return AsyncStoreClient(
         address.base_url,
         transport=async_transport(address.path, max_connections),

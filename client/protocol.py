@@ -75,7 +75,7 @@ from kvstore.errors import (
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.store.stats import StoreStats, TierCounters
-from kvstore.wire.events import SessionEvent
+from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, Seal
 from kvstore.wire.messages import API_PREFIX, GetTransfer, namespace_to_json
 
@@ -241,6 +241,7 @@ class ClientProtocol:
     # -- operations ---------------------------------------------------------
 
     def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> Operation[CachedPrefix]:
+        """How many leading chunks are cached, and the fastest tier holding each."""
         keys = keys_of(namespace, tokens_or_keys)
         nothing = CachedPrefix(namespace.chunk_tokens, (), (), len(keys))
         if not keys:
@@ -264,8 +265,10 @@ class ClientProtocol:
         namespace: Namespace,
         tokens_or_keys: TokensOrKeys,
         kv_chunks: Sequence[ChunkData | None],
-        session: str | None,
+        *,
+        session: str | None = None,
     ) -> Operation[int]:
+        """Store chunk ``i`` under the ``i``-th chunk key; return how many were newly stored."""
         keys = keys_of(namespace, tokens_or_keys)
         if len(kv_chunks) > len(keys):
             raise LayoutMismatch(
@@ -292,8 +295,11 @@ class ClientProtocol:
         self,
         namespace: Namespace,
         keys: Sequence[ChunkKey],
-        out: Sequence[ChunkData] | None,
+        *,
+        out: Sequence[ChunkData] | None = None,
     ) -> Operation[list[KVChunk | None]]:
+        """The verified chunk for each key, or ``None``; with ``out``, payloads land in
+        the caller's buffers (see ``TieredStore.get``)."""
         keys = list(keys)
         destinations = None
         if out is not None:
@@ -317,6 +323,7 @@ class ClientProtocol:
         return received.chunks
 
     def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> Operation[int]:
+        """Remove keys from every tier; raises ``TierUnavailable`` if the daemon cannot."""
         if not keys:
             return 0
         request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
@@ -324,10 +331,49 @@ class ClientProtocol:
         return _field(answer, "deleted", int)
 
     def stats(self) -> Operation[StoreStats]:
+        """The daemon's store counters; raises ``TierUnavailable`` if it cannot answer."""
         answer = yield from self._send(Call("GET", f"{API_PREFIX}/stats"))
         return store_stats(_field(answer, "store", dict))
 
-    def event(self, event: SessionEvent) -> Operation[None]:
+    def request_started(
+        self,
+        session: str,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        trigger: Trigger = Trigger.USER,
+        time: float | None = None,
+    ) -> Operation[None]:
+        """A request of ``session`` began (``kvstore.wire.events``); ``time`` defaults to now."""
+        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, _now(time))
+        yield from self._report(event)
+
+    def request_finished(
+        self,
+        session: str,
+        *,
+        steps: int,
+        output_tokens: int,
+        context_tokens: int,
+        loaded_tokens: int,
+        recomputed_tokens: int,
+        tool_running: bool = False,
+        time: float | None = None,
+    ) -> Operation[None]:
+        """A request of ``session`` ended (``kvstore.wire.events``); ``time`` defaults to now."""
+        event = RequestFinished(
+            session,
+            steps,
+            output_tokens,
+            context_tokens,
+            tool_running,
+            loaded_tokens,
+            recomputed_tokens,
+            _now(time),
+        )
+        yield from self._report(event)
+
+    def _report(self, event: SessionEvent) -> Operation[None]:
         try:
             yield from self._send(_post("/events", event.to_json(), retry=False))
         except TierUnavailable:
@@ -567,3 +613,7 @@ def store_stats(data: dict[str, Any]) -> StoreStats:
         )
     except (AttributeError, TypeError, ValueError):
         raise unavailable("malformed response: bad store stats") from None
+
+
+def _now(when: float | None) -> float:
+    return time.time() if when is None else when

@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from time import monotonic
-from time import time as wall_clock
-from types import TracebackType
+from typing import Concatenate, ParamSpec
 
 import httpx
 
@@ -21,15 +21,27 @@ from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.failures import ClientStats, from_reply
 from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
 from kvstore.errors import KVStoreError
-from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk
-from kvstore.store.stats import StoreStats
-from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
+from kvstore.store.closing import Closing
 
 log = logging.getLogger("kvstore.client")
 
+P = ParamSpec("P")
 
-class StoreClient:
+
+def operation(
+    make: Callable[Concatenate[ClientProtocol, P], Operation[T]],
+) -> Callable[Concatenate[StoreClient, P], T]:
+    """``ClientProtocol``'s operation ``make`` as a method: its signature, its docstring,
+    driven to its result over this client's I/O."""
+
+    @functools.wraps(make)
+    def call(self: StoreClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(make(self._protocol, *args, **kwargs))
+
+    return call
+
+
+class StoreClient(Closing):
     """A blocking client of ``kvstore serve``: ``TieredStore``'s methods and return types.
 
     Thread safe: share one per process; httpx pools the connections.
@@ -66,79 +78,15 @@ class StoreClient:
         # Calls held back (``Call.delay_s``), sent, if still due, by its one thread.
         self._delayed = _Delayed(self._send_delayed)
 
-    # -- the store's methods ----------------------------------------------------
+    # -- the API (``client.api.KVClientAPI``): the protocol's operations, driven --------
 
-    def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> CachedPrefix:
-        """How many leading chunks are cached, and the fastest tier holding each."""
-        return self._run(self._protocol.lookup(namespace, tokens_or_keys))
-
-    def put(
-        self,
-        namespace: Namespace,
-        tokens_or_keys: TokensOrKeys,
-        kv_chunks: Sequence[ChunkData | None],
-        *,
-        session: str | None = None,
-    ) -> int:
-        """Store chunk ``i`` under the ``i``-th chunk key; return how many were newly stored."""
-        return self._run(self._protocol.put(namespace, tokens_or_keys, kv_chunks, session))
-
-    def get(
-        self,
-        namespace: Namespace,
-        keys: Sequence[ChunkKey],
-        *,
-        out: Sequence[ChunkData] | None = None,
-    ) -> list[KVChunk | None]:
-        """The verified chunk for each key, or ``None``; with ``out``, payloads land in
-        the caller's buffers (see ``TieredStore.get``)."""
-        return self._run(self._protocol.get(namespace, keys, out))
-
-    def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
-        """Remove keys from every tier; raises ``TierUnavailable`` if the daemon cannot."""
-        return self._run(self._protocol.delete(namespace, keys))
-
-    def stats(self) -> StoreStats:
-        """The daemon's store counters; raises ``TierUnavailable`` if it cannot answer."""
-        return self._run(self._protocol.stats())
-
-    # -- session events -----------------------------------------------------------
-
-    def request_started(
-        self,
-        session: str,
-        *,
-        prompt_tokens: int,
-        cached_tokens: int,
-        trigger: Trigger = Trigger.USER,
-        time: float | None = None,
-    ) -> None:
-        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, _now(time))
-        self._run(self._protocol.event(event))
-
-    def request_finished(
-        self,
-        session: str,
-        *,
-        steps: int,
-        output_tokens: int,
-        context_tokens: int,
-        loaded_tokens: int,
-        recomputed_tokens: int,
-        tool_running: bool = False,
-        time: float | None = None,
-    ) -> None:
-        event = RequestFinished(
-            session,
-            steps,
-            output_tokens,
-            context_tokens,
-            tool_running,
-            loaded_tokens,
-            recomputed_tokens,
-            _now(time),
-        )
-        self._run(self._protocol.event(event))
+    lookup = operation(ClientProtocol.lookup)
+    put = operation(ClientProtocol.put)
+    get = operation(ClientProtocol.get)
+    delete = operation(ClientProtocol.delete)
+    stats = operation(ClientProtocol.stats)
+    request_started = operation(ClientProtocol.request_started)
+    request_finished = operation(ClientProtocol.request_finished)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -151,17 +99,6 @@ class StoreClient:
         self._detached.shutdown(wait=True)
         self._http.close()
         self._protocol.close()
-
-    def __enter__(self) -> StoreClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- I/O --------------------------------------------------------------------------
 
@@ -269,6 +206,3 @@ class _Delayed:
             except Exception:  # never lose the thread, and with it every call queued
                 log.exception("%s %s (delayed) failed", call.method, call.path)
 
-
-def _now(when: float | None) -> float:
-    return wall_clock() if when is None else when

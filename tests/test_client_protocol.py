@@ -146,13 +146,13 @@ def test_caller_mistakes_raise_before_any_exchange() -> None:
     protocol = ClientProtocol(shm=False, backoff_s=0.0)
     wrong_dtype = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float32)]
     with pytest.raises(LayoutMismatch):
-        next(protocol.put(NS, TOKENS, wrong_dtype, None))
+        next(protocol.put(NS, TOKENS, wrong_dtype))
     with pytest.raises(LayoutMismatch):
-        next(protocol.put(NS, TOKENS, kv.chunks(4), None))  # more chunks than keys
+        next(protocol.put(NS, TOKENS, kv.chunks(4)))  # more chunks than keys
     with pytest.raises(LayoutMismatch):
-        next(protocol.get(NS, KEYS, [bytearray(10)] * 3))
+        next(protocol.get(NS, KEYS, out=[bytearray(10)] * 3))
     with pytest.raises(LayoutMismatch):
-        next(protocol.get(NS, KEYS, [bytearray(kv.LAYOUT.chunk_nbytes)]))
+        next(protocol.get(NS, KEYS, out=[bytearray(kv.LAYOUT.chunk_nbytes)]))
 
 
 def test_a_put_body_goes_out_in_slices_of_the_callers_buffers() -> None:
@@ -161,7 +161,7 @@ def test_a_put_body_goes_out_in_slices_of_the_callers_buffers() -> None:
     namespace = Namespace("big", layout)
     tokens = np.arange(2 * layout.chunk_tokens)
     chunks = [torch.randn(layout.chunk_shape).to(torch.bfloat16) for _ in range(2)]
-    operation = ClientProtocol(shm=False, backoff_s=0.0).put(namespace, tokens, chunks, None)
+    operation = ClientProtocol(shm=False, backoff_s=0.0).put(namespace, tokens, chunks)
     next(operation)  # registers the namespace
     call = operation.send(ok({"namespace": namespace.digest.hex()}))
     assert call.path == "/v1/put" and call.body is not None
@@ -449,7 +449,7 @@ def test_no_daemon_at_all_is_a_degraded_answer_and_leaks_no_socket(
 
 def test_a_put_body_skips_absent_chunks_and_is_the_same_when_sent_again() -> None:
     chunks = kv.chunks(3)
-    operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, [None, *chunks[1:]], None)
+    operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, [None, *chunks[1:]])
     next(operation)  # registers the namespace
     call = operation.send(ok({"namespace": NS.digest.hex()}))
     assert call.body is not None
@@ -486,7 +486,7 @@ def test_puts_seal_the_cheapest_way_the_daemon_offers(offered: list[str] | None,
     """A registration answer lists how the daemon takes puts on that connection
     (``put_seals``); the client's put bodies then follow the cheapest."""
     chunks = kv.chunks(2)
-    operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, chunks, None)
+    operation = ClientProtocol(shm=False, backoff_s=0.0).put(NS, TOKENS, chunks)
     next(operation)  # registers the namespace
     answer = {"namespace": NS.digest.hex(), **({"put_seals": offered} if offered else {})}
     call = operation.send(ok(answer))

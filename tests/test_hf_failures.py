@@ -18,7 +18,7 @@ from support.hf_models import CHUNK
 from support.redis_servers import RedisServer
 
 import kvstore
-from kvstore import CachedPrefix, TieredStore, TierKind
+from kvstore import CachedPrefix, TierKind
 from kvstore.block import HEADER_BYTES
 from kvstore.client.embedded import EmbeddedClient
 from kvstore.client.hf import HFKVStore
@@ -37,7 +37,7 @@ def test_a_corrupt_block_in_lmdb_is_recomputed_from_the_last_good_chunk(
     ids = hf_models.prompt(4 * CHUNK + 4)
     reference = hf_models.greedy(model, ids, NEW_TOKENS)
     config = hf_models.store_config(tmp_path, dram=False)
-    with EmbeddedClient(TieredStore(config)) as client:
+    with EmbeddedClient(config) as client:
         kv = HFKVStore(model, client, chunk_tokens=CHUNK)
         assert kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).report.saved_chunks
     keys = chunk_keys(kv.namespace, ids[0].numpy())
@@ -47,7 +47,7 @@ def test_a_corrupt_block_in_lmdb_is_recomputed_from_the_last_good_chunk(
         value[HEADER_BYTES + 100] ^= 0x01
         txn.put(kv.namespace.digest + keys[2], bytes(value))
     env.close()
-    with EmbeddedClient(TieredStore(config)) as client:
+    with EmbeddedClient(config) as client:
         kv = HFKVStore(model, client, chunk_tokens=CHUNK)
         result = kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, layerwise=layerwise)
         assert torch.equal(result.sequences, reference)
@@ -64,16 +64,18 @@ def test_a_corrupt_block_in_lmdb_is_recomputed_from_the_last_good_chunk(
 
 
 class StopsRedisAfterLookup(EmbeddedClient):
-    """The real store, with Redis stopped between ``lookup`` and ``get``: a tier failing
-    mid-request, at the one moment a test can place it deterministically."""
+    """The real store, with Redis stopped between ``lookup`` and ``get`` once ``armed``: a
+    tier failing mid-request, at the one moment a test can place it deterministically."""
 
-    def __init__(self, store: TieredStore, server: RedisServer) -> None:
-        super().__init__(store)
+    def __init__(self, config: StoreConfig, server: RedisServer) -> None:
+        super().__init__(config)
         self.server = server
+        self.armed = False
 
     def lookup(self, namespace: Any, tokens_or_keys: Any) -> CachedPrefix:
         prefix = super().lookup(namespace, tokens_or_keys)
-        self.server.stop()
+        if self.armed:
+            self.server.stop()
         return prefix
 
 
@@ -97,16 +99,15 @@ def test_a_tier_down_mid_load_falls_back_to_the_chunks_that_loaded(
         ),
         promote_on_hit=False,
     )
-    store = TieredStore(config)
-    with StopsRedisAfterLookup(store, clean_redis) as client:
-        # Warm the store through a client that leaves Redis running (same store).
-        HFKVStore(model, EmbeddedClient(store), chunk_tokens=CHUNK).generate(ids, max_new_tokens=1)
+    with StopsRedisAfterLookup(config, clean_redis) as client:
         kv = HFKVStore(model, client, chunk_tokens=CHUNK)
+        kv.generate(ids, max_new_tokens=1)  # warm the store, Redis left running
         keys = chunk_keys(kv.namespace, ids[0].numpy())
         # Chunks 0-1 stay in DRAM, chunks 2-3 move down to Redis.
-        assert store.demote(kv.namespace, keys[2:4], to=TierKind.REDIS) == 2
-        tiers = store.lookup(kv.namespace, keys).tiers
+        assert client.demote(kv.namespace, keys[2:4], to=TierKind.REDIS) == 2
+        tiers = client.lookup(kv.namespace, keys).tiers
         assert tiers == (TierKind.DRAM, TierKind.DRAM, TierKind.REDIS, TierKind.REDIS)
+        client.armed = True
         result = kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, layerwise=layerwise)
     assert torch.equal(result.sequences, reference)
     assert (result.report.loaded_tokens, result.report.failed_chunks) == (2 * CHUNK, 2)

@@ -4,23 +4,42 @@ One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``): all
 logic lives in the synchronous store, which is thread safe and releases the
 GIL in its copies, hashing and backend I/O; each async method runs the same
 call in a worker thread so the event loop never blocks on LMDB or Redis.
+
+The methods are not written out again: each is ``threaded(TieredStore.<name>)``,
+with that method's signature, types and docstring, so the two faces cannot
+drift apart (``tests/client/test_api.py`` checks that every public operation of
+``TieredStore`` has its awaitable twin here).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from types import TracebackType
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk
+from kvstore.store.closing import AsyncClosing
 from kvstore.store.config import StoreConfig
 from kvstore.store.eviction import EvictionPolicy
-from kvstore.store.stats import StoreStats
 from kvstore.store.tiered_store import TieredStore
 
+P = ParamSpec("P")
+T = TypeVar("T")
 
-class AsyncTieredStore:
+
+def threaded(
+    method: Callable[Concatenate[TieredStore, P], T],
+) -> Callable[Concatenate[AsyncTieredStore, P], Coroutine[Any, Any, T]]:
+    """``TieredStore``'s ``method``, awaitable: run on a worker thread."""
+
+    @functools.wraps(method)
+    async def call(self: AsyncTieredStore, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await asyncio.to_thread(method, self.sync, *args, **kwargs)
+
+    return call
+
+
+class AsyncTieredStore(AsyncClosing):
     """Awaitable mirror of ``TieredStore``; same methods, same return types."""
 
     def __init__(
@@ -32,52 +51,15 @@ class AsyncTieredStore:
     ) -> None:
         self.sync = store if store is not None else TieredStore(config, policy=policy)
 
-    async def lookup(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> CachedPrefix:
-        return await asyncio.to_thread(self.sync.lookup, namespace, tokens_or_keys)
-
-    async def put(
-        self,
-        namespace: Namespace,
-        tokens_or_keys: TokensOrKeys,
-        kv_chunks: Sequence[ChunkData | None],
-        *,
-        session: str | None = None,
-    ) -> int:
-        return await asyncio.to_thread(
-            self.sync.put, namespace, tokens_or_keys, kv_chunks, session=session
-        )
-
-    async def get(
-        self,
-        namespace: Namespace,
-        keys: Sequence[ChunkKey],
-        *,
-        out: Sequence[ChunkData] | None = None,
-    ) -> list[KVChunk | None]:
-        return await asyncio.to_thread(self.sync.get, namespace, keys, out=out)
-
-    async def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
-        return await asyncio.to_thread(self.sync.delete, namespace, keys)
-
-    async def demote(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
-        return await asyncio.to_thread(self.sync.demote, namespace, keys)
-
-    async def promote(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
-        return await asyncio.to_thread(self.sync.promote, namespace, keys)
-
-    async def stats(self) -> StoreStats:
-        return await asyncio.to_thread(self.sync.stats)
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.sync.close)
-
-    async def __aenter__(self) -> AsyncTieredStore:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
+    lookup = threaded(TieredStore.lookup)
+    put = threaded(TieredStore.put)
+    get = threaded(TieredStore.get)
+    delete = threaded(TieredStore.delete)
+    demote = threaded(TieredStore.demote)
+    promote = threaded(TieredStore.promote)
+    pin = threaded(TieredStore.pin)
+    unpin = threaded(TieredStore.unpin)
+    scrub = threaded(TieredStore.scrub)
+    flush = threaded(TieredStore.flush)
+    stats = threaded(TieredStore.stats)
+    close = threaded(TieredStore.close)

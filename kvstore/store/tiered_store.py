@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 
 from kvstore.block import Block
 from kvstore.errors import LayoutMismatch
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
+from kvstore.store.closing import Closing
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
 from kvstore.store.eviction import EvictionPolicy
@@ -46,7 +46,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.kinds import TierKind
 
 
-class TieredStore:
+class TieredStore(Closing):
     """The embedded, thread-safe tiered KV store. See the module docstring."""
 
     def __init__(
@@ -323,14 +323,3 @@ class TieredStore:
         """Stop the scrubber and close every tier (idempotent)."""
         self._maintenance.stop()
         self.core.close()
-
-    def __enter__(self) -> TieredStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -18,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from kvstore import TieredStore, TierKind
+from kvstore import TierKind
 from kvstore.client.embedded import EmbeddedClient
 from kvstore.store.config import StoreConfig
 from kvstore.tiers.registry import TierConfig
@@ -68,7 +68,7 @@ def store_config(tmp_path: Path, *, dram: bool = True, ssd: bool = True) -> Stor
 
 def embedded(tmp_path: Path, **tiers: bool) -> EmbeddedClient:
     """An embedded client over DRAM + LMDB (or the tiers asked for) in ``tmp_path``."""
-    return EmbeddedClient(TieredStore(store_config(tmp_path, **tiers)))
+    return EmbeddedClient(store_config(tmp_path, **tiers))
 
 
 def full_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
