@@ -33,9 +33,7 @@ Conventions:
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import ctypes
 import json
 import os
 import platform
@@ -56,10 +54,9 @@ from typing import Any
 import torch
 
 from kvstore.keys import KVLayout
+from kvstore.processes import spawn, stop_process
 
-HOST = "127.0.0.1"
 # Ports this module must never use: the shared development Redis lives on 6379.
-_RESERVED_PORTS = frozenset({6379})
 
 
 # -- output ------------------------------------------------------------------
@@ -367,64 +364,6 @@ def temp_dir(prefix: str = "kvs-bench-", base: str | Path | None = None) -> Iter
 
 # -- child processes ---------------------------------------------------------
 
-_live_servers: set[subprocess.Popen[bytes]] = set()
-_PR_SET_PDEATHSIG = 1
-
-
-@atexit.register
-def _kill_leftover_servers() -> None:
-    """Backstop for an exit that skipped ``stop_process`` (it should not happen)."""
-    for proc in list(_live_servers):
-        if proc.poll() is None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        _live_servers.discard(proc)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the benchmark dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def spawn(
-    argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    """Start a server process in its own session, output appended to ``log_path``.
-
-    Stop it with ``stop_process``; an ``atexit`` hook and ``PR_SET_PDEATHSIG``
-    stop it if the benchmark exits (or dies) without doing so.
-    """
-    log_file = open(log_path, "ab")  # noqa: SIM115
-    try:
-        proc = subprocess.Popen(
-            list(argv),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else dict(env),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-    finally:
-        log_file.close()
-    _live_servers.add(proc)
-    return proc
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
-    """SIGTERM, wait, SIGKILL if it lingers; the exit code. Idempotent."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout_s)
-    _live_servers.discard(proc)
-    return proc.returncode
-
-
 def answers_healthz(socket_path: Path) -> bool:
     """Whether ``GET /healthz`` over the Unix socket answers 200 (raw HTTP, no client)."""
     try:
@@ -459,7 +398,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         # The daemon reads KVSTORE_* variables; none of the caller's may leak in.
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        self.proc = spawn(self.argv, self.log_path, env=env)
+        self.proc = spawn(self.argv, self.log_path, env=env, new_session=True)
         deadline = time.monotonic() + 60.0
         try:
             while time.monotonic() < deadline:
@@ -481,112 +420,4 @@ class ServerProcess:
     def log_tail(self, nbytes: int = 4000) -> str:
         with contextlib.suppress(OSError):
             return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
-        return ""
-
-
-# -- a private redis-server --------------------------------------------------
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on (never one of the reserved ports)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((HOST, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _RESERVED_PORTS:
-            return port
-    raise RuntimeError("no free loopback port found")
-
-
-class RedisServer:
-    """A private ``redis-server`` on a free loopback port, persistence off.
-
-    Use as a context manager (``with RedisServer() as server: server.url``).
-    The server runs in its own session, so a Ctrl-C in the terminal reaches
-    only the benchmark, which then stops the server itself: the server never
-    disappears in the middle of a measurement's cleanup. ``extra_args`` are
-    appended to the command line (e.g. ``["--maxmemory", "1gb"]``).
-    """
-
-    def __init__(self, *, extra_args: Sequence[str] = (), start_timeout_s: float = 10.0) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        self._binary = binary
-        self._extra_args = list(extra_args)
-        self._start_timeout_s = start_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: Path | None = None
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        if self._proc is not None:
-            return
-        self._dir = Path(tempfile.mkdtemp(prefix="kvs-bench-redis-"))
-        self.port = free_port()
-        argv = [
-            self._binary,
-            "--port", str(self.port),
-            "--bind", HOST,
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--dir", str(self._dir),
-            *self._extra_args,
-        ]  # fmt: skip
-        self._proc = spawn(argv, self._dir / "redis.log")
-        deadline = time.monotonic() + self._start_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                tail = self._log_tail()
-                self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} exited: {tail}")
-            with contextlib.suppress(OSError):
-                if self.command("PING").startswith(b"+PONG"):
-                    return
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
-
-    def command(self, *args: str | bytes, timeout_s: float = 2.0) -> bytes:
-        """One command over a raw socket (no client library); the first reply line."""
-        parts = [f"*{len(args)}\r\n".encode()]
-        for arg in args:
-            raw = arg.encode() if isinstance(arg, str) else arg
-            parts.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
-        with socket.create_connection((HOST, self.port), timeout=timeout_s) as sock:
-            sock.sendall(b"".join(parts))
-            reply = b""
-            while b"\r\n" not in reply:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                reply += chunk
-        return reply
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, wait, SIGKILL if it lingers; remove its directory. Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            stop_process(proc, timeout_s)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def _log_tail(self) -> str:
-        if self._dir is None:
-            return ""
-        with contextlib.suppress(OSError):
-            return (self._dir / "redis.log").read_text(errors="replace")[-2000:]
         return ""

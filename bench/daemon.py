@@ -76,7 +76,6 @@ from ceilings import RawDRAM  # noqa: E402
 from common import (  # noqa: E402
     CHUNK_2MIB,
     CHUNK_16MIB,
-    HOST,
     VOCAB,
     BatchThroughput,
     Case,
@@ -88,7 +87,6 @@ from common import (  # noqa: E402
     bench_session,
     emit_json,
     format_table,
-    free_port,
     log,
     machine_info,
     make_chunks,
@@ -109,6 +107,7 @@ from http_ceiling import BareHTTP, ceiling_process  # noqa: E402
 import kvstore  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.keys import ChunkKey, Namespace, chunk_keys  # noqa: E402
+from kvstore.processes import HOST, free_port  # noqa: E402
 
 SIZES = (CHUNK_2MIB, CHUNK_16MIB)
 assert [size.nbytes for size in SIZES] == [2 * MiB, 16 * MiB]

@@ -56,7 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import (  # noqa: E402
     Case,
-    RedisServer,
     ServerProcess,
     bench_session,
     emit_json,
@@ -75,6 +74,7 @@ from kvstore.client.hf import HFKVStore, RequestReport  # noqa: E402
 from kvstore.client.hf.loading import load_cache  # noqa: E402
 from kvstore.store.config import StoreConfig  # noqa: E402
 from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.tiers.local_redis import RedisServer  # noqa: E402
 from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 GiB = 1 << 30

@@ -29,10 +29,11 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import HOST, ServerProcess, free_port  # noqa: E402
+from common import ServerProcess  # noqa: E402
 
 from kvstore.client.get_body import open_body  # noqa: E402
 from kvstore.client.transports import transport  # noqa: E402
+from kvstore.processes import HOST, free_port  # noqa: E402
 from kvstore.server.get_frames import widen_send_buffer  # noqa: E402
 
 

@@ -61,7 +61,6 @@ from common import (  # noqa: E402
     Case,
     ChunkSize,
     MiB,
-    RedisServer,
     bench_session,
     emit_json,
     format_table,
@@ -79,6 +78,7 @@ from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys  # 
 from kvstore.store.config import StoreConfig  # noqa: E402
 from kvstore.store.tiered_store import TieredStore  # noqa: E402
 from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.tiers.local_redis import RedisServer  # noqa: E402
 from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 SIZES = (

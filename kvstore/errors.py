@@ -12,8 +12,14 @@ backend type::
      +-- RequestTooLarge        a request over a configured bound (batch, bytes)
      +-- CorruptBlock           a stored block failed its checksum or header checks
      +-- TierError              a tier could not do what was asked
-          +-- TierUnavailable   the backend is down or answered too slowly
-          +-- TierFull          no room even after eviction
+     |    +-- TierUnavailable   the backend is down or answered too slowly
+     |    +-- TierFull          no room even after eviction
+     +-- WireError              a request or answer breaks the wire format; carries its
+     |                          ErrorCode, so it lives with the codes (kvstore.wire.codes)
+     +-- StartupError           the daemon cannot start as configured (socket, port)
+     +-- PutAborted             a put's block landed after the put had failed (daemon)
+     +-- LoadInterrupted        a layer-wise load delivered fewer tokens than planned
+                                (transformers integration: rerun from the good ones)
 
 ``CorruptBlock`` and ``TierError`` rarely reach a caller of ``TieredStore``:
 the store turns both into misses (and counts them), because a miss costs a
@@ -61,3 +67,24 @@ class TierUnavailable(TierError):
 
 class TierFull(TierError):
     """The tier cannot hold the block even after evicting everything evictable."""
+
+
+class StartupError(KVStoreError):
+    """The daemon cannot start as configured (socket in use, port taken)."""
+
+
+class PutAborted(KVStoreError):
+    """A block finished landing after its put had already failed."""
+
+
+class LoadInterrupted(KVStoreError):
+    """A layer-wise load delivered fewer tokens than the forward was started with.
+
+    Raised inside the forward by the first layer to need the missing data;
+    rerun the prefill with a cache of ``good_tokens`` tokens.
+    """
+
+    def __init__(self, planned_tokens: int, good_tokens: int) -> None:
+        super().__init__(f"loaded {good_tokens} of {planned_tokens} planned tokens")
+        self.planned_tokens = planned_tokens
+        self.good_tokens = good_tokens

@@ -10,10 +10,10 @@ import lmdb
 import redis
 import torch
 from support import kv
-from support.redis_servers import RedisServer
 
 from kvstore import TieredStore, TierKind
 from kvstore.block import HEADER_BYTES
+from kvstore.tiers.local_redis import RedisServer
 
 N_CHUNKS = 8
 

@@ -15,7 +15,6 @@ import torch
 from support import hf_models
 from support.daemon import Daemon
 from support.hf_models import CHUNK
-from support.redis_servers import RedisServer
 
 import kvstore
 from kvstore import CachedPrefix, TierKind
@@ -24,6 +23,7 @@ from kvstore.client.embedded import EmbeddedClient
 from kvstore.client.hf import HFKVStore
 from kvstore.keys import chunk_keys
 from kvstore.store.config import StoreConfig
+from kvstore.tiers.local_redis import RedisServer
 from kvstore.tiers.registry import TierConfig
 
 NEW_TOKENS = 6

@@ -10,9 +10,9 @@ from support import kv
 
 from kvstore import TieredStore
 from kvstore.block import HEADER_BYTES, Block, encode_block
-from kvstore.errors import CorruptBlock
+from kvstore.errors import CorruptBlock, PutAborted
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.server.landing import Landing, PutAborted
+from kvstore.server.landing import Landing
 from kvstore.server.serving import SharedServing
 from kvstore.store.chunk import chunk_bytes
 from kvstore.store.placement import Reserved

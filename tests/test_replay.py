@@ -197,9 +197,10 @@ def test_cli_rejects_an_unknown_policy(
 
 def test_a_redis_tier_runs_on_a_private_server(trace_file: Path) -> None:
     sizing = Sizing(SMALL.hbm_gb, SMALL.dram_gb, 16.5 * SLOT_GB, redis_gb=64.5 * SLOT_GB)
-    from kvstore.predictor.replay.redis import private_redis
+    from kvstore.tiers.local_redis import RedisServer
 
-    with private_redis() as url:
+    with RedisServer() as server:
+        url = server.url
         assert not url.endswith(":6379/0")
         (run,) = replay(
             load_trace(trace_file), parse_policies("lru"), ReplayConfig(sizing, redis_url=url)

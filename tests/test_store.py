@@ -11,7 +11,6 @@ import pytest
 import torch
 from support import kv
 from support.kv import assert_chunks_equal
-from support.redis_servers import RedisServer
 
 from kvstore import (
     AsyncTieredStore,
@@ -26,6 +25,7 @@ from kvstore import (
 from kvstore.server.serving import SharedServing
 from kvstore.store.config import StoreConfig
 from kvstore.tiers.dram import DRAMTier
+from kvstore.tiers.local_redis import RedisServer
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
 

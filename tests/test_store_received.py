@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from support import kv
 from support.kv import assert_chunks_equal
-from support.redis_servers import RedisServer
 
 from kvstore import (
     LayoutMismatch,
@@ -30,6 +29,7 @@ from kvstore.block import (
 from kvstore.errors import CorruptBlock
 from kvstore.server.serving import SharedServing
 from kvstore.store.chunk import chunk_bytes
+from kvstore.tiers.local_redis import RedisServer
 
 DRAM, SSD = TierKind.DRAM, TierKind.SSD
 

@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from support.redis_servers import RedisCluster, RedisServer, free_port
 
 from kvstore.block import Block, check_identity, encode_block, verify_block
 from kvstore.errors import ConfigError, TierFull, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.processes import free_port
 from kvstore.tiers.base import Tier
 from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.local_redis import RedisCluster, RedisServer
 from kvstore.tiers.redis_tier import RedisTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)

@@ -51,9 +51,9 @@ from transformers import DynamicCache
 
 from kvstore.client.buffers import BufferPool
 from kvstore.client.connect import KVClient
-from kvstore.client.hf.loading import LayerwiseLoad, LoadInterrupted, LoadTiming, load_cache
+from kvstore.client.hf.loading import LayerwiseLoad, LoadTiming, load_cache
 from kvstore.client.hf.packing import model_namespace, pack_chunks
-from kvstore.errors import KVStoreError, LayoutMismatch
+from kvstore.errors import KVStoreError, LayoutMismatch, LoadInterrupted
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.store.chunk import ChunkData
 from kvstore.wire.events import Trigger

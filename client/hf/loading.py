@@ -53,25 +53,13 @@ from transformers.cache_utils import DynamicLayer
 from kvstore.client.buffers import BufferPool
 from kvstore.client.connect import KVClient
 from kvstore.client.hf.packing import cache_tensors, staging_buffer, unpack
-from kvstore.errors import KVStoreError
+from kvstore.errors import LoadInterrupted
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.store.chunk import ChunkData
 
 # Chunks per get: bounds one request's body through a daemon and the time to the first miss.
 GET_BATCH_CHUNKS = 32
 
-
-class LoadInterrupted(KVStoreError):
-    """A layer-wise load delivered fewer tokens than the forward was started with.
-
-    Raised inside the forward by the first layer to need the missing data;
-    rerun the prefill with a cache of ``good_tokens`` tokens.
-    """
-
-    def __init__(self, planned_tokens: int, good_tokens: int) -> None:
-        super().__init__(f"loaded {good_tokens} of {planned_tokens} planned tokens")
-        self.planned_tokens = planned_tokens
-        self.good_tokens = good_tokens
 
 
 @dataclass(slots=True)

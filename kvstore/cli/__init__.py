@@ -53,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(config_path: str | None) -> int:
-    from kvstore.server.run import Server, StartupError, configure_logging
+    from kvstore.errors import StartupError
+    from kvstore.server.run import Server, configure_logging
 
     try:
         config = ServiceConfig.load(config_path)

@@ -56,15 +56,11 @@ from kvstore.block import (
     parse_header,
 )
 from kvstore.codec import decode_payload
-from kvstore.errors import CorruptBlock, KVStoreError, LayoutMismatch
+from kvstore.errors import CorruptBlock, LayoutMismatch, PutAborted
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.server.serving import SharedServing
 from kvstore.store.placement import Reserved
 from kvstore.wire.frames import Seal
-
-
-class PutAborted(KVStoreError):
-    """A block finished landing after its put had already failed."""
 
 
 class Landing:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, KVStoreError, StartupError
 from kvstore.predictor.service import PredictorService
 from kvstore.server.app import create_app
 from kvstore.server.config import RELOADABLE, DaemonConfig, ServiceConfig
@@ -63,9 +63,6 @@ _M_MMAP_THRESHOLD = -3
 # threshold grows to.
 _HEAP_ALLOCATIONS_UP_TO = 32 << 20
 
-
-class StartupError(KVStoreError):
-    """The daemon cannot start as configured (socket in use, port taken)."""
 
 
 class Server:
@@ -101,9 +98,6 @@ class Server:
         finally:
             await self.shutdown()
             executor.shutdown(wait=True)
-
-    def should_exit(self) -> None:
-        self._should_exit.set()
 
     # -- startup ------------------------------------------------------------------
 

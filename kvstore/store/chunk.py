@@ -138,9 +138,3 @@ class CachedPrefix:
         """Leading tokens worth loading rather than recomputing."""
         chunks = self.num_chunks if self.load_chunks is None else self.load_chunks
         return chunks * self.chunk_tokens
-
-    def tokens_by_tier(self) -> dict[TierKind, int]:
-        counts: dict[TierKind, int] = {}
-        for tier in self.tiers:
-            counts[tier] = counts.get(tier, 0) + self.chunk_tokens
-        return counts

@@ -1,12 +1,14 @@
-"""Eviction policy: which block leaves a tier first under capacity pressure.
+"""Eviction policy: which block leaves a tier first under capacity pressure, and where it goes.
 
-The store owns placement mechanics (demote on pressure, drop only from the
-last tier, skip pinned blocks); a policy only orders candidates. It is told
-about every insertion, access and removal per tier, and answers
-``victims(tier)``: keys in the order they should go. The return-time
-predictor plugs in here by implementing the same protocol. A policy may also
-have ``destination(tier, key) -> TierKind | None``: where a victim is written
-back, when not the next tier down (``kvstore.store.placement``).
+The store owns placement mechanics (``kvstore.store.placement``: demote on
+pressure, drop only from the last tier, skip pinned and protected blocks); a
+policy only orders candidates and, if it wants, names their destination. It
+is told about every insertion, access and removal per tier, and answers
+``victims(tier)``: keys in the order they should go, and
+``destination(tier, key)``: the tier a victim is written back to, or
+``None`` for the next one down. The return-time predictor's policy
+(``kvstore.predictor.placement.policy``) plugs in here by implementing the
+same protocol; so does any other.
 
 Prefix awareness comes from the order of notifications. The store always
 reports a chain head first (``keys[0]`` is the oldest ancestor). ``LRUPolicy``
@@ -40,6 +42,10 @@ class EvictionPolicy(Protocol):
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
         """Keys of ``tier`` in eviction order (the store may skip pinned ones)."""
+
+    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+        """Where victim ``key`` of ``tier`` is written back: a slower tier (a block that
+        would only be the next victim below may skip it), or ``None`` for the next."""
 
 
 class LRUPolicy:
@@ -76,6 +82,10 @@ class LRUPolicy:
                 seen.add(key)
                 if key in order:
                     yield key
+
+    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+        """Always the next tier down."""
+        return None
 
 
 def _head(order: OrderedDict[ChunkKey, None], count: int) -> list[ChunkKey]:

@@ -89,10 +89,6 @@ class BlockIndex:
             del self._entries[key]
         return True
 
-    def remove(self, key: ChunkKey) -> BlockMeta | None:
-        """Forget ``key`` entirely."""
-        return self._entries.pop(key, None)
-
     def holds(self, kind: TierKind, key: ChunkKey) -> bool:
         meta = self._entries.get(key)
         return meta is not None and kind in meta.sizes

@@ -269,11 +269,9 @@ class Placement:
         return False
 
     def _destination(self, kind: TierKind, key: ChunkKey) -> TierKind | None:
-        """Where a victim of ``kind`` is written back: the tier the policy names, if it
-        has a ``destination(tier, key)`` method and names a slower tier (a block that
-        would only be the next victim in the tier below may skip it), else the next."""
-        choose = getattr(self._policy, "destination", None)
-        target = choose(kind, key) if choose is not None else None
+        """Where a victim of ``kind`` is written back: the tier the policy names if it is
+        a configured, slower one; else ``None``, the next tier down."""
+        target = self._policy.destination(kind, key)
         return target if target is not None and target > kind and target in self.tiers else None
 
     def evict(

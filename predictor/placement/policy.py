@@ -64,8 +64,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.predictor.placement.baselines import LRUBaseline, TTLPolicy
@@ -85,20 +86,50 @@ from kvstore.tiers.kinds import TierKind
 INF = math.inf
 
 
+def _horizons() -> Mapping[TierKind, float]:
+    hour = 3600.0
+    return MappingProxyType(
+        {TierKind.HBM: 60.0, TierKind.DRAM: 600.0, TierKind.SSD: hour, TierKind.REDIS: 4 * hour}
+    )
+
+
+def _keep() -> Mapping[TierKind, float]:
+    return MappingProxyType(dict.fromkeys(TierKind, 0.5))
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Thresholds of ``PlacementPolicy``; tuples are indexed by ``TierKind`` (HBM first)."""
+    """Thresholds of ``PlacementPolicy``, per tier kind.
 
-    horizons_s: tuple[float, float, float, float] = (60.0, 600.0, 3600.0, 4 * 3600.0)
-    keep: tuple[float, float, float, float] = (0.5, 0.5, 0.5, 0.5)
-    """Keep a chain in a tier while P(back within its horizon) is at least this."""
+    ``horizons_s``: how far ahead a tier is worth holding a chain for; ``keep``:
+    keep a chain in a tier while P(back within its horizon) is at least this.
+    A kind with no entry (a tier added later) takes the slowest tier's values.
+    An idle session is re-placed after ``clamp(check_fraction * idle time,
+    check_min_s, check_max_s)`` seconds.
+    """
+
+    horizons_s: Mapping[TierKind, float] = field(default_factory=_horizons)
+    keep: Mapping[TierKind, float] = field(default_factory=_keep)
     check_min_s: float = 10.0
     check_fraction: float = 0.25
     check_max_s: float = 300.0
-    """An idle session is re-placed after ``clamp(fraction * idle time, min, max)`` seconds."""
 
     def horizon(self, kind: TierKind) -> float:
-        return self.horizons_s[kind]
+        return _of(self.horizons_s, kind)
+
+    def keep_at(self, kind: TierKind) -> float:
+        return _of(self.keep, kind)
+
+    @property
+    def longest_horizon(self) -> float:
+        return max(self.horizons_s.values())
+
+
+def _of(values: Mapping[TierKind, float], kind: TierKind) -> float:
+    """``values[kind]``, else the value of the slowest kind that has one."""
+    if kind in values:
+        return values[kind]
+    return values[max(values)]
 
 
 @dataclass
@@ -327,7 +358,7 @@ class PlacementPolicy:
                     kind
                     for kind in order
                     if self._chance(session, self.config.horizon(kind), now)
-                    >= self.config.keep[kind]
+                    >= self.config.keep_at(kind)
                 ),
                 None,
             )
@@ -376,7 +407,7 @@ class PlacementPolicy:
         if session.forecast is None:
             return _UNKNOWN
         soon = self._chance(session, self.stay(kind), now)
-        return (soon, self._chance(session, max(self.config.horizons_s), now))
+        return (soon, self._chance(session, self.config.longest_horizon, now))
 
     def _chance(self, session: _Session, seconds: float, now: float) -> float:
         """P(back within ``seconds`` from ``now`` | not back yet), from its forecast."""

@@ -167,13 +167,15 @@ def _replay(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _redis(redis_gb: float | None) -> Iterator[str | None]:
+    """The URL of a private redis-server for ``--redis-gb`` (``None`` without one); each
+    policy's run uses its own key prefix, so runs never see each other's blocks."""
     if not redis_gb:
         yield None
         return
-    from kvstore.predictor.replay.redis import private_redis
+    from kvstore.tiers.local_redis import RedisServer
 
-    with private_redis() as url:
-        yield url
+    with RedisServer() as server:
+        yield server.url
 
 
 def _progress(policy: str, done: int, total: int) -> None:

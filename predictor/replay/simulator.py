@@ -206,8 +206,7 @@ class _IdleWatch:
         return self.inner.victims(tier)
 
     def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
-        choose = getattr(self.inner, "destination", None)
-        return choose(tier, key) if choose is not None else None
+        return self.inner.destination(tier, key)
 
 
 def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> StoreConfig:
@@ -226,7 +225,7 @@ def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> S
             tiers.append(TierConfig(kind, capacity, path=directory / "lmdb", sync=False))
         else:
             if config.redis_url is None:
-                raise ConfigError("a Redis tier needs a redis_url (see replay.redis)")
+                raise ConfigError("a Redis tier needs a redis_url (tiers.local_redis starts one)")
             prefix = f"kvs-replay-{directory.name}"
             tiers.append(TierConfig(kind, capacity, url=config.redis_url, key_prefix=prefix))
     if not tiers:

@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.processes import LIVE, die_with_parent, free_port
+from kvstore.processes import LIVE, free_port, spawn
 
 HOST = "127.0.0.1"
 AUTO_TOKEN = "auto"  # token= default: a random token when TCP is on, none otherwise
@@ -140,18 +140,8 @@ class Daemon:
         if self.running:
             return
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        log = open(self.log_path, "ab")  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore", "serve", "--config", str(self.config_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=die_with_parent,
-            )
-        finally:
-            log.close()
-        LIVE.add(self.proc)
+        argv = [sys.executable, "-m", "kvstore", "serve", "--config", str(self.config_path)]
+        self.proc = spawn(argv, self.log_path, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.proc.poll()
