@@ -33,10 +33,10 @@ from there, if given):
 
 How a shared-memory copy is checked (``Verify``)::
 
-    FULL  header + payload checksummed as they are copied (copy_verified):
+    FULL  header + payload checksummed as they are copied (copy_payload):
           the copy is what the daemon verified when it was put, whatever
           happened in shared memory; costs an xxh3 pass over every byte
-    FAST  header parsed; payload copied (copy_unverified); then the extent's
+    FAST  header parsed; payload copied unchecked; then the extent's
           generation must still be the one the lease reported, else the
           copy is checksummed after all (FULL, on the copy)
 
@@ -78,7 +78,8 @@ from kvstore.block import (
     BlockHeader,
     Codec,
     check_identity,
-    copy_verified,
+    check_payload_size,
+    copy_payload,
     fill_verified,
     parse_header,
     verify_parts,
@@ -489,14 +490,13 @@ def _copy_one(
         header_bytes = bytes(view[:HEADER_BYTES])
         header = parse_header(header_bytes)
         size = view.nbytes - HEADER_BYTES
-        if size != header.payload_len:
-            raise CorruptBlock(f"payload is {size} bytes, header says {header.payload_len}")
+        check_payload_size(header, size)
         if destination is not None and header.codec is Codec.NONE and size == destination.size:
             target, destination = destination.data, None
         else:
             target = buffers.take(size)
         if not fast or entry.generation_at is None:
-            header = copy_verified(header_bytes, view[HEADER_BYTES:], target)
+            header = copy_payload(header_bytes, view[HEADER_BYTES:], target)
         else:
             _copy_range(view, target, 0, size)
             if arena.generation(entry.generation_at) != entry.generation:

@@ -272,14 +272,7 @@ def verify_block(
     verified on the way in (the DRAM and HBM arenas).
     """
     view = memoryview(data)
-    header = parse_header(view)
-    if view.nbytes != HEADER_BYTES + header.payload_len:
-        raise CorruptBlock(
-            f"block is {view.nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
-        )
-    if check_payload:
-        _check_checksum(view, view[HEADER_BYTES:], header.key)
-    return header
+    return verify_parts(view[:HEADER_BYTES], view[HEADER_BYTES:], check_payload=check_payload)
 
 
 def verify_parts(
@@ -291,42 +284,55 @@ def verify_parts(
     """``verify_block`` for a block whose header and payload were copied apart
     (``Tier.get_many_into``); the checksum covers the same bytes."""
     header = parse_header(header_bytes)
-    payload_view = memoryview(payload).cast("B")
-    if payload_view.nbytes != header.payload_len:
-        raise CorruptBlock(
-            f"payload is {payload_view.nbytes} bytes, header says {header.payload_len}"
-        )
+    body = memoryview(payload).cast("B")
+    check_payload_size(header, body.nbytes)
     if check_payload:
-        _check_checksum(memoryview(header_bytes), payload_view, header.key)
+        hasher = payload_hasher(header_bytes)
+        hasher.update(body)
+        _compare_checksum(hasher, memoryview(header_bytes), header.key)
     return header
 
 
-# copy_verified's step: small enough that a step just copied is still in the L2
+def check_payload_size(header: BlockHeader, nbytes: int) -> None:
+    """Refuse a payload of ``nbytes`` that is not the length its header says: the one
+    length check of a block, wherever its bytes come from."""
+    if nbytes != header.payload_len:
+        raise CorruptBlock(f"payload is {nbytes} bytes, header says {header.payload_len}")
+
+
+# copy_payload's step: small enough that a step just copied is still in the L2
 # cache when it is checksummed (measured at 2 MiB blocks: 256 KiB steps beat
 # 64 KiB and 1 MiB ones, and a whole copy then a whole checksum by 10-15%).
 COPY_VERIFY_STEP = 256 << 10
 
 
-def copy_verified(
+def copy_payload(
     header_bytes: memoryview | bytes | bytearray,
     source: memoryview | bytes | bytearray,
     destination: memoryview | bytearray,
+    *,
+    verify: bool = True,
 ) -> BlockHeader:
-    """Copy a payload from ``source`` into ``destination`` and ``verify_parts`` the copy,
-    in one pass: each step is checksummed right after it is copied, while it is
-    still in cache, so the payload is read from memory once, not twice.
+    """Copy a payload from ``source`` into ``destination`` after checking the header's
+    structure and lengths; with ``verify``, ``verify_parts`` the copy in the same
+    pass: each step is checksummed right after it is copied, while it is still in
+    cache, so the payload is read from memory once, not twice.
 
     What is checksummed is the copy, never ``source``: a source that changes
     during the copy (shared memory) fails the check instead of being served.
     Both numpy's copy and xxhash release the GIL, so copies run in parallel on
-    threads.
+    threads. ``verify=False`` is only for a source whose bytes were verified
+    when they were stored and whose caller proves, after the copy, that they did
+    not change during it (a shared-memory client comparing extent generations,
+    ``client.blocks``).
     """
     header = parse_header(header_bytes)
     target = memoryview(destination).cast("B")
-    if memoryview(source).nbytes != header.payload_len or target.nbytes != header.payload_len:
-        raise CorruptBlock(
-            f"payload is {memoryview(source).nbytes} bytes, header says {header.payload_len}"
-        )
+    check_payload_size(header, memoryview(source).nbytes)
+    check_payload_size(header, target.nbytes)
+    if not verify:
+        _copy(source, target)
+        return header
     hasher = payload_hasher(header_bytes)
     _copy_hashing(source, target, hasher)
     _compare_checksum(hasher, memoryview(header_bytes), header.key)
@@ -342,7 +348,7 @@ def fill_verified(
     each step right after it is written, while it is still in cache.
 
     ``fill(step)`` must fill ``step`` exactly (a socket's ``recv_into`` loop:
-    ``kvstore.server.borrowed_body``), or raise. As with ``copy_verified``, what
+    ``kvstore.server.borrowed_body``), or raise. As with ``copy_payload``, what
     is checksummed is what landed in ``destination``.
     """
     header, hasher = _fill_hashing(header_bytes, destination, fill)
@@ -366,10 +372,7 @@ def seal_block(data: memoryview) -> None:
     """Write the checksum of the unsealed block ``data`` (header and payload, writable)
     into its header: what ``fill_sealed`` does for a block received some other way."""
     header = parse_header(data)
-    if data.nbytes != HEADER_BYTES + header.payload_len:
-        raise CorruptBlock(
-            f"block is {data.nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
-        )
+    check_payload_size(header, data.nbytes - HEADER_BYTES)
     hasher = payload_hasher(data)
     hasher.update(data[HEADER_BYTES:])
     data[:HEADER_BYTES] = _with_checksum(data, hasher.intdigest())
@@ -384,36 +387,13 @@ def _fill_hashing(
     (after the header's checksummed bytes) while it is still in cache."""
     header = parse_header(header_bytes)
     target = memoryview(destination).cast("B")
-    if target.nbytes != header.payload_len:
-        raise CorruptBlock(f"payload is {target.nbytes} bytes, header says {header.payload_len}")
+    check_payload_size(header, target.nbytes)
     hasher = payload_hasher(header_bytes)
     for start in range(0, target.nbytes, COPY_VERIFY_STEP):
         step = target[start : start + COPY_VERIFY_STEP]
         fill(step)
         hasher.update(step)
     return header, hasher
-
-
-def copy_unverified(
-    header_bytes: memoryview | bytes | bytearray,
-    source: memoryview | bytes | bytearray,
-    destination: memoryview | bytearray,
-) -> BlockHeader:
-    """Copy a payload from ``source`` into ``destination`` after checking the header's
-    structure and lengths, without checksumming anything.
-
-    Only for a source whose bytes were verified when they were stored and whose
-    caller proves, after the copy, that they did not change during it (a
-    shared-memory client comparing extent generations, ``client.blocks``).
-    """
-    header = parse_header(header_bytes)
-    target = memoryview(destination).cast("B")
-    if memoryview(source).nbytes != header.payload_len or target.nbytes != header.payload_len:
-        raise CorruptBlock(
-            f"payload is {memoryview(source).nbytes} bytes, header says {header.payload_len}"
-        )
-    _copy(source, target)
-    return header
 
 
 def _copy(source: memoryview | bytes | bytearray, target: memoryview) -> None:
@@ -435,39 +415,26 @@ def _copy_hashing(
         hasher.update(target[start:end])
 
 
-def _check_checksum(header: memoryview, payload: memoryview, key: ChunkKey) -> None:
-    hasher = payload_hasher(header)
-    hasher.update(payload)
-    _compare_checksum(hasher, header, key)
-
-
 def _compare_checksum(hasher: xxhash.xxh3_64, header: memoryview, key: ChunkKey) -> None:
     stored = int.from_bytes(header[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8], "little")
     if hasher.intdigest() != stored:
         raise CorruptBlock(f"checksum mismatch for block {key.hex()}")
 
 
-def check_identity(header: BlockHeader, namespace: Namespace, key: ChunkKey) -> None:
-    """Refuse a block stored under another key, namespace or layout than asked for."""
+def check_identity(
+    header: BlockHeader, namespace: Namespace, key: ChunkKey, *, whole_chunk: bool = False
+) -> None:
+    """Refuse a block stored under another key, namespace or layout than asked for;
+    with ``whole_chunk``, also one that is not exactly one chunk of KV (what the
+    daemon checks of every block it receives, besides its checksum)."""
     if header.key != key:
         raise CorruptBlock(f"block under {key.hex()} carries key {header.key.hex()}")
     if header.namespace_digest != namespace.digest:
         raise CorruptBlock(f"block {key.hex()} belongs to another namespace")
     if not header.matches(namespace.layout):
         raise LayoutMismatch(f"block {key.hex()} has a layout other than its namespace's")
-
-
-def check_whole_chunk(header: BlockHeader, namespace: Namespace, key: ChunkKey) -> None:
-    """``check_identity``, and refuse a block that is not exactly one chunk of KV
-    (what the daemon checks of every block it receives, besides its checksum)."""
-    check_identity(header, namespace, key)
-    if header.raw_len != namespace.layout.chunk_nbytes:
+    if whole_chunk and header.raw_len != namespace.layout.chunk_nbytes:
         raise LayoutMismatch(
             f"block {key.hex()} holds {header.raw_len} bytes of KV, "
             f"the namespace's chunk is {namespace.layout.chunk_nbytes}"
         )
-
-
-def payload_view(data: memoryview | bytes | bytearray) -> memoryview:
-    """The payload bytes of a stored block (no copy)."""
-    return memoryview(data)[HEADER_BYTES:]

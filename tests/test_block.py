@@ -24,14 +24,13 @@ from kvstore.block import (
     check_identity,
     check_trailer,
     checksum_trailer,
-    copy_verified,
+    copy_payload,
     encode_block,
     fill_sealed,
     fill_verified,
     frame_block,
     parse_header,
     payload_hasher,
-    payload_view,
     seal_block,
     stored_block,
     verify_block,
@@ -110,7 +109,7 @@ def test_round_trip(container: type) -> None:
     data = container(block.to_bytes())
     header = verify_block(data)
     check_identity(header, NS, KEYS[1])
-    assert bytes(payload_view(data)) == raw
+    assert bytes(stored_block(data).payload) == raw
     assert header == BlockHeader(
         codec=Codec.NONE,
         dtype="float16",
@@ -135,7 +134,7 @@ def test_empty_payload_round_trips() -> None:
     data = block.to_bytes()
     assert len(data) == HEADER_BYTES
     assert verify_block(data).payload_len == 0
-    assert bytes(payload_view(data)) == b""
+    assert bytes(stored_block(data).payload) == b""
 
 
 def test_codec_and_raw_len_are_recorded() -> None:
@@ -158,7 +157,7 @@ def test_typed_and_shaped_payload_views_are_framed_as_bytes() -> None:
     data = block.to_bytes()
     header = verify_block(data)
     assert header.payload_len == header.raw_len == LAYOUT.chunk_nbytes
-    assert bytes(payload_view(data)) == chunk.tobytes()
+    assert bytes(stored_block(data).payload) == chunk.tobytes()
 
 
 def test_encode_does_not_copy_the_payload() -> None:
@@ -196,7 +195,7 @@ def test_frame_block_reframes_under_the_same_identity() -> None:
     assert new_header.namespace_digest == header.namespace_digest
     assert new_header.raw_len == len(raw)
     assert new_header.payload_len == len(recoded)  # taken from the payload, not the header
-    assert bytes(payload_view(reframed.to_bytes())) == recoded
+    assert bytes(stored_block(reframed.to_bytes()).payload) == recoded
 
 
 def test_header_from_stored_block_reframes_identically() -> None:
@@ -256,7 +255,7 @@ def test_payload_check_can_be_skipped_for_trusted_memory() -> None:
         verify_block(b"XXXX" + corrupted[4:], check_payload=False)
 
 
-# copy_verified checksums step by step: a flip must be caught wherever it falls in a
+# copy_payload checksums step by step: a flip must be caught wherever it falls in a
 # step (first byte, last byte, inside) and in whichever step (first, middle, last,
 # the last one short), as well as in the header.
 STEPPED = 2 * COPY_VERIFY_STEP + 1000
@@ -273,28 +272,28 @@ STEP_POSITIONS = [
 ]
 
 
-def test_copy_verified_copies_and_verifies() -> None:
+def test_copy_payload_copies_and_verifies() -> None:
     data = stored(payload_bytes(STEPPED))
     destination = bytearray(STEPPED)
-    header = copy_verified(data[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:], destination)
+    header = copy_payload(data[:HEADER_BYTES], memoryview(data)[HEADER_BYTES:], destination)
     assert header == verify_block(data) and bytes(destination) == data[HEADER_BYTES:]
 
 
 @pytest.mark.parametrize("offset", STEP_POSITIONS)
-def test_copy_verified_catches_a_flip_anywhere_in_any_step(offset: int) -> None:
+def test_copy_payload_catches_a_flip_anywhere_in_any_step(offset: int) -> None:
     data = _flip(stored(payload_bytes(STEPPED)), (HEADER_BYTES + offset) * 8 + 5)
     with pytest.raises(CorruptBlock, match="checksum"):
-        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
+        copy_payload(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
 
 
 @pytest.mark.parametrize("offset", [8, 56, 80, 95])  # digest, layout, raw_len, checksum
-def test_copy_verified_catches_a_flip_in_the_header(offset: int) -> None:
+def test_copy_payload_catches_a_flip_in_the_header(offset: int) -> None:
     data = _flip(stored(payload_bytes(STEPPED)), offset * 8)
     with pytest.raises(CorruptBlock):
-        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
+        copy_payload(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
 
 
-def test_copy_verified_checks_the_copy_not_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copy_payload_checks_the_copy_not_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy that differs from its intact source (shared memory written while it was
     copied) fails: what is checksummed is what landed in the destination."""
     data = stored(payload_bytes(STEPPED))
@@ -306,7 +305,7 @@ def test_copy_verified_checks_the_copy_not_the_source(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(np, "copyto", torn)
     with pytest.raises(CorruptBlock, match="checksum"):
-        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
+        copy_payload(data[:HEADER_BYTES], data[HEADER_BYTES:], bytearray(STEPPED))
 
 
 @pytest.mark.parametrize("cut", [1, 777, COPY_VERIFY_STEP - 1, COPY_VERIFY_STEP + 3, STEPPED])
@@ -409,10 +408,10 @@ def test_seal_block_refuses_a_block_of_another_length(extra: int) -> None:
 
 
 @pytest.mark.parametrize("size", [STEPPED - 1, STEPPED + 1])
-def test_copy_verified_refuses_buffers_of_another_size(size: int) -> None:
+def test_copy_payload_refuses_buffers_of_another_size(size: int) -> None:
     data = stored(payload_bytes(STEPPED))
     with pytest.raises(CorruptBlock, match="payload is"):
-        copy_verified(data[:HEADER_BYTES], data[HEADER_BYTES:][:size], bytearray(size))
+        copy_payload(data[:HEADER_BYTES], data[HEADER_BYTES:][:size], bytearray(size))
 
 
 @pytest.mark.parametrize("length", [0, 1, 4, 95, 127, 128, 129, 1000, -1])

@@ -340,18 +340,18 @@ def test_a_large_lease_is_copied_by_two_threads(
     destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
     copied_by: list[str] = []
     helper_copied = threading.Event()
-    real_copy_verified = client_blocks.copy_verified
+    real_copy_payload = client_blocks.copy_payload
 
-    def copy_verified(*args: Any) -> Any:
+    def copy_payload(*args: Any) -> Any:
         name = threading.current_thread().name
         copied_by.append(name)
         if name.startswith("helper"):
             helper_copied.set()
         elif not helper_busy:  # leave the helper's thread time to take a block
             helper_copied.wait(5.0)
-        return real_copy_verified(*args)
+        return real_copy_payload(*args)
 
-    monkeypatch.setattr(client_blocks, "copy_verified", copy_verified)
+    monkeypatch.setattr(client_blocks, "copy_payload", copy_payload)
     busy = threading.Event()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="helper") as helper:
         if helper_busy:

@@ -19,7 +19,7 @@ from support import http_kv
 from support.daemon import Daemon
 from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, put_raw, register
 
-from kvstore.block import HEADER_BYTES, frame_block, parse_header, payload_view
+from kvstore.block import HEADER_BYTES, frame_block, parse_header, stored_block
 from kvstore.keys import Namespace
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, block_entries, encode_frames
 from kvstore.wire.messages import namespace_to_json
@@ -38,7 +38,7 @@ def _other_layout(block: bytes) -> bytes:
     """The same key and namespace, a valid checksum, but another layout in the header."""
     header = parse_header(block)
     return frame_block(
-        dataclasses.replace(header, num_layers=header.num_layers + 1), payload_view(block)
+        dataclasses.replace(header, num_layers=header.num_layers + 1), stored_block(block).payload
     ).to_bytes()
 
 

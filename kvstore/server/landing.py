@@ -49,8 +49,9 @@ from kvstore.block import (
     HEADER_BYTES,
     Block,
     BlockHeader,
+    check_identity,
+    check_payload_size,
     check_trailer,
-    check_whole_chunk,
     fill_sealed,
     fill_verified,
     parse_header,
@@ -106,10 +107,7 @@ class Landing:
             raise PutAborted("the put ended before this block landed")
         try:
             header = parse_header(header_bytes)
-            if nbytes != HEADER_BYTES + header.payload_len:
-                raise CorruptBlock(
-                    f"block is {nbytes} bytes, header says {HEADER_BYTES + header.payload_len}"
-                )
+            check_payload_size(header, nbytes - HEADER_BYTES)
         except CorruptBlock as error:
             raise CorruptBlock(f"block {index}: {error}") from None
         offset = self._serving.reserve_dram(nbytes, header.codec, self._protect)
@@ -176,5 +174,5 @@ def check_received(
 ) -> None:
     """What the daemon checks of every block it receives besides its checksum, landed
     or not: key, namespace, layout, one chunk, a payload that decodes."""
-    check_whole_chunk(header, namespace, key)
+    check_identity(header, namespace, key, whole_chunk=True)
     decode_payload(payload, header.dtype, header.codec, header.raw_len)

@@ -51,7 +51,6 @@ from kvstore.block import (
     TRAILER_BYTES,
     Block,
     check_trailer,
-    payload_view,
     seal_block,
     stored_block,
     verify_block,
@@ -198,7 +197,7 @@ def _receive_block(body: SocketBody, batch: _PutBatch, index: int, nbytes: int) 
             if batch.seal is Seal.TRAILER:
                 check_trailer(bytes(data[:HEADER_BYTES]), read_trailer(), key)
         header = verify_block(data, check_payload=batch.seal is Seal.HEADER)
-        check_received(header, batch.namespace, key, payload_view(data))
+        check_received(header, batch.namespace, key, stored_block(data).payload)
     except (CorruptBlock, LayoutMismatch) as error:
         raise type(error)(f"block {index}: {error}") from None
     return stored_block(data)

@@ -22,7 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.block import HEADER_BYTES, Block, check_whole_chunk, encode_block, parse_header
+from kvstore.block import (
+    HEADER_BYTES,
+    Block,
+    check_identity,
+    check_payload_size,
+    encode_block,
+    parse_header,
+)
 from kvstore.codec import Codec
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import ChunkKey, Namespace
@@ -311,9 +318,5 @@ def _check_framed(namespace: Namespace, key: ChunkKey, block: Block) -> None:
     if len(block.header) != HEADER_BYTES:
         raise CorruptBlock(f"block {key.hex()}: a header of {len(block.header)} bytes")
     header = parse_header(block.header)
-    check_whole_chunk(header, namespace, key)
-    if header.payload_len != block.payload.nbytes:
-        raise CorruptBlock(
-            f"block {key.hex()} has {block.payload.nbytes} payload bytes, "
-            f"its header says {header.payload_len}"
-        )
+    check_identity(header, namespace, key, whole_chunk=True)
+    check_payload_size(header, block.payload.nbytes)

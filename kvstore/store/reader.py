@@ -62,7 +62,9 @@ def check_window(
     """Verify and decode what a tier returned for ``keys[i] for i in indices``.
 
     The checksum is checked when the tier's reads cross a trust boundary;
-    the key, namespace and layout always.
+    the key, namespace and layout always, and that the block holds exactly one
+    chunk of it (another writer's block of the right identity but another size
+    is refused, never handed on).
     """
     outcome = ReadOutcome()
     for index, buffer in zip(indices, buffers, strict=True):
@@ -72,7 +74,7 @@ def check_window(
             continue
         try:
             header = verify_block(buffer, check_payload=tier.verifies_reads)
-            check_identity(header, namespace, key)
+            check_identity(header, namespace, key, whole_chunk=True)
             raw = decode_payload(
                 memoryview(buffer)[HEADER_BYTES:], header.dtype, header.codec, header.raw_len
             )
@@ -100,7 +102,7 @@ def check_copied(
             header = verify_parts(
                 destination.header.data, destination.payload.data, check_payload=tier.verifies_reads
             )
-            check_identity(header, namespace, key)
+            check_identity(header, namespace, key, whole_chunk=True)
             if header.codec is not Codec.NONE:
                 # A compressed block that happened to be exactly one chunk long was
                 # copied in place as it is stored; decode it where it landed.
@@ -223,4 +225,4 @@ def _window(tier: GuardedTier, namespace: Namespace, count: int) -> int:
     """How many blocks to read per window (all of them unless the overlap pays)."""
     if tier.verifies_reads and not tier.kind.shared:
         return max(1, VERIFY_WINDOW_BYTES // (HEADER_BYTES + namespace.layout.chunk_nbytes))
-    return count
+    return max(1, count)

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstore.block import check_identity, encode_block, payload_view, verify_block
+from kvstore.block import check_identity, encode_block, stored_block, verify_block
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.store.chunk import chunk_bytes
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, FrameDecoder, block_entries, encode_frames
@@ -128,7 +128,7 @@ def get_bytes(
 
 def payloads(blocks: Sequence[bytes | None]) -> list[bytes | None]:
     """The KV bytes of each block (headers differ in the parent field only)."""
-    return [None if block is None else bytes(payload_view(block)) for block in blocks]
+    return [None if block is None else bytes(stored_block(block).payload) for block in blocks]
 
 
 def error_code(response: httpx.Response) -> str:

@@ -1,0 +1,139 @@
+"""``BlockIndex``: the store's record of which tiers hold each chunk, its parent and pins.
+
+Placement, lookups and deferred deletes all trust it, so each operation is checked exactly.
+"""
+
+from __future__ import annotations
+
+from support import kv
+
+from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.store.index import BlockIndex, BlockMeta
+from kvstore.tiers.kinds import TierKind
+
+HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
+NS = kv.namespace()
+OTHER = kv.namespace(salt="other-tenant")
+A, B, C, D = chunk_keys(NS, kv.tokens(4))
+
+
+def test_record_creates_an_entry_with_namespace_parent_size_and_session() -> None:
+    index = BlockIndex()
+    meta = index.record(DRAM, B, NS.digest, A, 2176, session="s1")
+    assert index.get(B) is meta
+    assert meta == BlockMeta(NS.digest, A, {DRAM: 2176}, pins=0, session="s1", deleted=False)
+    assert B in index and A not in index
+    assert index.get(A) is None
+
+
+def test_record_adds_a_tier_and_keeps_size_per_tier_and_the_fastest() -> None:
+    index = BlockIndex()
+    index.record(SSD, B, NS.digest, A, 900)
+    meta = index.record(DRAM, B, NS.digest, A, 2176)
+    assert meta.sizes == {SSD: 900, DRAM: 2176}
+    assert meta.fastest is DRAM
+    index.record(HBM, B, NS.digest, A, 2176)
+    assert meta.fastest is HBM
+    assert index.fastest([A, B, C]) == [None, HBM, None]
+    assert BlockMeta(NS.digest, None).fastest is None
+
+
+def test_record_fills_a_missing_parent_but_never_replaces_a_known_one() -> None:
+    index = BlockIndex()
+    index.record(SSD, C, NS.digest, None, 2176)
+    assert index.record(DRAM, C, NS.digest, B, 2176).parent == B
+    assert index.record(HBM, C, NS.digest, A, 2176).parent == B
+    assert index.record(HBM, C, NS.digest, None, 2176).parent == B
+
+
+def test_record_without_session_keeps_the_last_writer() -> None:
+    index = BlockIndex()
+    index.record(DRAM, A, NS.digest, None, 2176, session="s1")
+    assert index.record(SSD, A, NS.digest, None, 2176).session == "s1"
+    assert index.record(SSD, A, NS.digest, None, 2176, session="s2").session == "s2"
+
+
+def test_drop_forgets_one_copy_and_the_entry_with_its_last_copy() -> None:
+    index = BlockIndex()
+    index.record(DRAM, A, NS.digest, None, 2176)
+    index.record(SSD, A, NS.digest, None, 2176)
+    assert index.drop(HBM, A) is False
+    assert index.drop(DRAM, A) is True
+    assert index.drop(DRAM, A) is False
+    assert index.get(A) == BlockMeta(NS.digest, None, {SSD: 2176})
+    assert index.drop(SSD, A) is True
+    assert A not in index
+    assert index.drop(SSD, B) is False
+
+
+def test_holds_is_exact_and_may_hold_trusts_the_index_except_for_unknown_shared_keys() -> None:
+    index = BlockIndex()
+    index.record(DRAM, A, NS.digest, None, 2176)
+    assert index.holds(DRAM, A) and not index.holds(SSD, A) and not index.holds(REDIS, A)
+    # A known key: the index is trusted for every tier, shared ones included.
+    assert [index.may_hold(kind, A) for kind in (HBM, DRAM, SSD, REDIS)] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    # An unknown key: only a shared tier may still hold it (another process wrote it).
+    assert [index.may_hold(kind, B) for kind in (HBM, DRAM, SSD, REDIS)] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    assert not index.holds(REDIS, B)
+
+
+def test_pin_counts_known_keys_only_and_unpin_never_goes_below_zero() -> None:
+    index = BlockIndex()
+    index.record(DRAM, A, NS.digest, None, 2176)
+    index.record(DRAM, B, NS.digest, A, 2176)
+    assert index.pin([A, B, C]) == [A, B]
+    assert index.pin([A]) == [A]
+    meta_a, meta_b = index.get(A), index.get(B)
+    assert meta_a is not None and meta_b is not None
+    assert (meta_a.pins, meta_b.pins) == (2, 1)
+    assert index.unpin([A, B, B, C]) == []
+    assert (meta_a.pins, meta_b.pins) == (1, 0)
+
+
+def test_unpin_releases_a_deleted_block_only_with_its_last_pin() -> None:
+    index = BlockIndex()
+    index.record(DRAM, A, NS.digest, None, 2176)
+    index.record(DRAM, B, OTHER.digest, None, 2176)
+    index.pin([A, A, B])
+    for key in (A, B):
+        meta = index.get(key)
+        assert meta is not None
+        meta.deleted = True
+    assert index.unpin([A, B]) == [(OTHER.digest, B)]
+    assert index.unpin([A]) == [(NS.digest, A)]
+    # Released, not removed: removing is the caller's job (``Placement.unpin``).
+    assert A in index and B in index
+    assert index.unpin([A, B]) == []
+
+
+def test_held_by_count_and_by_tier_report_per_tier_in_the_order_given() -> None:
+    index = BlockIndex()
+    index.record(DRAM, A, NS.digest, None, 2176)
+    index.record(SSD, A, NS.digest, None, 2176)
+    index.record(SSD, B, OTHER.digest, A, 2176)
+    index.record(DRAM, C, NS.digest, B, 2176)
+    assert sorted(index.held_by(SSD)) == sorted([(NS.digest, A), (OTHER.digest, B)])
+    assert index.held_by(HBM) == []
+    assert (index.count(DRAM), index.count(SSD), index.count(HBM)) == (2, 2, 0)
+    assert index.by_tier([C, D, B, A]) == {DRAM: [C, A], SSD: [B, A]}
+    assert index.by_tier([D]) == {}
+
+
+def test_held_by_is_a_snapshot_safe_to_drop_while_iterating() -> None:
+    index = BlockIndex()
+    keys = [ChunkKey(bytes([n]) * 16) for n in range(5)]
+    for key in keys:
+        index.record(DRAM, key, NS.digest, None, 2176)
+    for _, key in index.held_by(DRAM):
+        assert index.drop(DRAM, key)
+    assert index.count(DRAM) == 0 and all(key not in index for key in keys)
