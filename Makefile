@@ -32,7 +32,7 @@ install-vllm:
 	$(VLLM_BIN)/python -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 
 test-vllm:
-	$(VLLM_BIN)/pytest tests/vllm
+	$(VLLM_BIN)/pytest tests/client/vllm
 
 lint: typecheck
 	$(BIN)/ruff check kvstore tiers predictor client bench tests

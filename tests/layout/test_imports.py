@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 # Source folder -> the package it installs as (pyproject's package-dir).
 SOURCES = {
     "kvstore": "kvstore",

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import REPO
 
 from kvstore.errors import ConfigError, LayoutMismatch
 from kvstore.keys import (
@@ -474,7 +474,7 @@ for algo in HashAlgo:
 
 
 def test_keys_are_identical_across_processes_and_hash_seeds() -> None:
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     # Two interpreters at once (each imports torch through the package), with
     # different str-hash seeds: a key must not depend on Python's hash().
     processes = [

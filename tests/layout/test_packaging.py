@@ -7,7 +7,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import REPO
+
+ROOT = REPO
 
 
 def test_wheel_maps_folders_under_kvstore_and_imports(tmp_path: Path) -> None:

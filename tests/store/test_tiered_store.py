@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import kv
+from support import TESTS, kv
 from support.kv import assert_chunks_equal
 
 from kvstore import (
@@ -397,8 +397,7 @@ def test_kill_9_during_lmdb_writes_then_reopen(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    tests_dir = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": str(tests_dir)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(tmp_path / "lmdb")],
         stdout=subprocess.PIPE,

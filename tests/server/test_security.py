@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from support import http_kv
+from support import REPO, http_kv
 from support.daemon import Daemon
 from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, put_raw, register
 
@@ -24,7 +24,7 @@ from kvstore.keys import Namespace
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, block_entries, encode_frames
 from kvstore.wire.messages import namespace_to_json
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 # -- malformed bodies ------------------------------------------------------------------

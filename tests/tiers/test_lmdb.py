@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import TESTS
 
 from kvstore.block import Block, check_identity, encode_block, verify_block
 from kvstore.errors import TierError, TierFull, TierUnavailable
@@ -283,8 +284,8 @@ time.sleep(60)
 """
 _WRITER = """
 import sys
-sys.path.insert(0, sys.argv[2])
-from test_tier_lmdb import BIG_NS, crash_batch
+sys.path[:0] = sys.argv[2:4]  # this file's folder, and the tests' (for support)
+from test_lmdb import BIG_NS, crash_batch
 from kvstore.tiers.lmdb_tier import LMDBTier
 tier = LMDBTier(sys.argv[1], 512 << 20, map_size=1 << 30)
 for index in range(200):
@@ -319,7 +320,7 @@ def test_kill_9_mid_write_loses_no_commit_and_tears_no_value(tmp_path: Path) -> 
     holder = _start(_HOLDER, str(path))
     try:
         assert _read_line(holder) == "open"
-        writer = _start(_WRITER, str(path), str(Path(__file__).parent))
+        writer = _start(_WRITER, str(path), str(Path(__file__).parent), str(TESTS))
         assert _read_line(writer) == "committed 0"
         # Started after the writer opened, which would have reaped the slot.
         reader = _start(_READER, str(path))

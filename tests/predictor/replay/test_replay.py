@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import REPO
 
 from kvstore.cli import main
 from kvstore.errors import ConfigError
@@ -39,7 +40,7 @@ from kvstore.predictor.replay.traces import load_trace
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES = REPO.parent / "shared" / "data" / "traces"
 SLOT_GB = 512 * 131072 / 1e9  # one 512-token chunk of Llama-3.1-8B KV
 # 8, 24 and 96 chunks: HBM holds about one chain, DRAM a few, SSD most of the trace.
 SMALL = Sizing(hbm_gb=8.5 * SLOT_GB, dram_gb=24.5 * SLOT_GB, ssd_gb=96.5 * SLOT_GB)

@@ -15,8 +15,7 @@ import warnings
 
 THIRD_PARTY = r"(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"
 
-# "vllm.config", not "vllm": on pytest's path this folder is a namespace package named vllm.
-if importlib.util.find_spec("vllm.config") is not None:
+if importlib.util.find_spec("vllm") is not None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module=THIRD_PARTY)
         import vllm.entrypoints.llm  # noqa: F401

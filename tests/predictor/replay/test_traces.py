@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from support import REPO
 
 from kvstore.errors import ConfigError
 from kvstore.predictor.replay.traces import TraceFormat, load_trace
 from kvstore.wire.events import Trigger
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES = REPO.parent / "shared" / "data" / "traces"
 
 
 def write(path: Path, rows: list[dict]) -> Path:
