@@ -48,24 +48,17 @@ class KVStoreAPI(Protocol):
         ...
 
     def put(
-        self,
-        namespace: Namespace,
-        tokens_or_keys: TokensOrKeys,
-        kv_chunks: Sequence[ChunkData | None],
-        *,
-        session: str | None = None,
-    ) -> int:
+        self, namespace: Namespace, tokens_or_keys: TokensOrKeys,
+        kv_chunks: Sequence[ChunkData | None], *, session: str | None = None,
+    ) -> int:  # fmt: skip
         """Store chunk ``i`` under the ``i``-th chunk key (``None``: known to be cached);
         return how many were newly stored."""
         ...
 
     def get(
-        self,
-        namespace: Namespace,
-        keys: Sequence[ChunkKey],
-        *,
-        out: Sequence[ChunkData] | None = None,
-    ) -> list[KVChunk | None]:
+        self, namespace: Namespace, keys: Sequence[ChunkKey],
+        *, out: Sequence[ChunkData] | None = None,
+    ) -> list[KVChunk | None]:  # fmt: skip
         """The verified chunk for each key, or ``None`` (a miss); with ``out``, each
         payload lands in the caller's buffer."""
         ...
@@ -85,11 +78,9 @@ class KVStoreAPI(Protocol):
     def __enter__(self) -> Self: ...
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None: ...
+        self, exc_type: type[BaseException] | None,
+        exc: BaseException | None, tb: TracebackType | None,
+    ) -> None: ...  # fmt: skip
 
 
 @runtime_checkable
@@ -97,29 +88,17 @@ class KVClientAPI(KVStoreAPI, Protocol):
     """What ``connect`` returns: the data path, session events, the client's own counters."""
 
     def request_started(
-        self,
-        session: str,
-        *,
-        prompt_tokens: int,
-        cached_tokens: int,
-        trigger: Trigger = Trigger.USER,
-        time: float | None = None,
-    ) -> None:
+        self, session: str, *, prompt_tokens: int, cached_tokens: int,
+        trigger: Trigger = Trigger.USER, time: float | None = None,
+    ) -> None:  # fmt: skip
         """A request of ``session`` began: the predictor labels its last idle gap."""
         ...
 
     def request_finished(
-        self,
-        session: str,
-        *,
-        steps: int,
-        output_tokens: int,
-        context_tokens: int,
-        loaded_tokens: int,
-        recomputed_tokens: int,
-        tool_running: bool = False,
+        self, session: str, *, steps: int, output_tokens: int, context_tokens: int,
+        loaded_tokens: int, recomputed_tokens: int, tool_running: bool = False,
         time: float | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """A request of ``session`` ended: the session goes idle, and is placed."""
         ...
 

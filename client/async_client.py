@@ -14,9 +14,17 @@ from typing import Any, Concatenate, ParamSpec
 import httpx
 
 from kvstore.client.blocking import STALE_CONNECTION, send
-from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.failures import ClientStats, from_reply, from_transport
-from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
+from kvstore.client.protocol import (
+    DEFAULTS,
+    MAX_DETACHED_CALLS,
+    Call,
+    ClientOptions,
+    ClientProtocol,
+    Operation,
+    Reply,
+    T,
+)
 from kvstore.client.put_body import PutBody
 from kvstore.errors import KVStoreError
 from kvstore.store.closing import AsyncClosing
@@ -61,30 +69,15 @@ class AsyncStoreClient(AsyncClosing):
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         blocking_transport: httpx.BaseTransport | None = None,
-        token: str | None = None,
-        timeout_s: float = 2.0,
-        shm: bool = False,
-        backoff_s: float = 1.0,
-        verify: Verify | str = DEFAULT_VERIFY,
+        options: ClientOptions = DEFAULTS,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        self._http = httpx.AsyncClient(
-            base_url=base_url,
-            transport=transport,
-            timeout=httpx.Timeout(timeout_s),
-            headers=headers,
-        )
+        self._http = httpx.AsyncClient(transport=transport, **options.http(base_url))
         self._blocking = (
             None
             if blocking_transport is None
-            else httpx.Client(
-                base_url=base_url,
-                transport=blocking_transport,
-                timeout=httpx.Timeout(timeout_s),
-                headers=headers,
-            )
+            else httpx.Client(transport=blocking_transport, **options.http(base_url))
         )
-        self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s, verify=verify)
+        self._protocol = options.protocol()
         # Calls nothing waits for (``Call.wait``): tasks, at most MAX_DETACHED_CALLS
         # at once; close() waits for them.
         self._detached: set[asyncio.Task[None]] = set()

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import numpy as np
@@ -183,6 +183,31 @@ class Reply:
 
 
 Operation = Generator[Call, Reply, T]
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a client talks to its daemon, resolved (``connect`` makes them from a URL and
+    its keywords): the token, sent as a bearer header; the time each I/O phase may
+    take; whether gets go through shared memory; how long calls degrade without
+    trying after the daemon failed one; how shared-memory copies are checked."""
+
+    token: str | None = field(default=None, repr=False)
+    timeout_s: float = 2.0
+    shm: bool = False
+    backoff_s: float = 1.0
+    verify: Verify | str = DEFAULT_VERIFY
+
+    def http(self, base_url: str) -> dict[str, Any]:
+        """The keywords of the httpx client (either flavour) that carries the calls."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        return {"base_url": base_url, "timeout": self.timeout_s, "headers": headers}
+
+    def protocol(self) -> ClientProtocol:
+        return ClientProtocol(shm=self.shm, backoff_s=self.backoff_s, verify=self.verify)
+
+
+DEFAULTS = ClientOptions()
 
 
 class ClientProtocol:

@@ -17,9 +17,17 @@ from typing import Concatenate, ParamSpec
 import httpx
 
 from kvstore.client.blocking import send
-from kvstore.client.blocks import DEFAULT_VERIFY, Verify
 from kvstore.client.failures import ClientStats, from_reply
-from kvstore.client.protocol import MAX_DETACHED_CALLS, Call, ClientProtocol, Operation, Reply, T
+from kvstore.client.protocol import (
+    DEFAULTS,
+    MAX_DETACHED_CALLS,
+    Call,
+    ClientOptions,
+    ClientProtocol,
+    Operation,
+    Reply,
+    T,
+)
 from kvstore.errors import KVStoreError
 from kvstore.store.closing import Closing
 
@@ -58,19 +66,10 @@ class StoreClient(Closing):
         base_url: str,
         *,
         transport: httpx.BaseTransport | None = None,
-        token: str | None = None,
-        timeout_s: float = 2.0,
-        shm: bool = False,
-        backoff_s: float = 1.0,
-        verify: Verify | str = DEFAULT_VERIFY,
+        options: ClientOptions = DEFAULTS,
     ) -> None:
-        self._http = httpx.Client(
-            base_url=base_url,
-            transport=transport,
-            timeout=httpx.Timeout(timeout_s),
-            headers={"Authorization": f"Bearer {token}"} if token else None,
-        )
-        self._protocol = ClientProtocol(shm=shm, backoff_s=backoff_s, verify=verify)
+        self._http = httpx.Client(transport=transport, **options.http(base_url))
+        self._protocol = options.protocol()
         # Calls nothing waits for (``Call.wait``): sent by these threads, at most
         # MAX_DETACHED_CALLS at once; close() waits for them.
         self._detached = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-detached")

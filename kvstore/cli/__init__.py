@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from kvstore.cli.stats import fetch_stats, format_stats
+from kvstore.cli.daemon_stats import fetch_stats, format_stats
 from kvstore.config import TOKEN_VARIABLE
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.predictor.replay import commands as replay_commands

@@ -41,7 +41,7 @@ from kvstore import (
 from kvstore.block import HEADER_BYTES, encode_block
 from kvstore.client import AsyncStoreClient, ClientStats, StoreClient, async_client, sync_client
 from kvstore.client.address import TOKEN_ENV, Address, Scheme, bearer_token
-from kvstore.client.protocol import Call, ClientProtocol, Reply
+from kvstore.client.protocol import Call, ClientOptions, ClientProtocol, Reply
 from kvstore.client.put_body import BODY_SLICE_BYTES
 from kvstore.client.shm import SharedArena
 from kvstore.errors import ConfigError
@@ -248,7 +248,8 @@ def mock_client(
 ) -> Face:
     transport = httpx.MockTransport(daemon)
     client_type = StoreClient if flavour == "sync" else AsyncStoreClient
-    return Face(client_type("http://kvstore", transport=transport, backoff_s=backoff_s, shm=shm))
+    options = ClientOptions(backoff_s=backoff_s, shm=shm)
+    return Face(client_type("http://kvstore", transport=transport, options=options))
 
 
 def scenario(
@@ -425,7 +426,7 @@ def test_the_token_is_sent_as_a_bearer_header() -> None:
         return httpx.Response(200, json={"accepted": True})
 
     with StoreClient(
-        "http://kvstore", transport=httpx.MockTransport(handler), token="t0k"
+        "http://kvstore", transport=httpx.MockTransport(handler), options=ClientOptions(token="t0k")
     ) as client:
         client.request_started("s", prompt_tokens=1, cached_tokens=0)
     assert seen == ["Bearer t0k"]

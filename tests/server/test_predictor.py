@@ -24,7 +24,7 @@ from support.daemon import Daemon, DaemonStartError
 from support.http_kv import frames_body, get_bytes, lookup, make_chain, put_raw, register
 
 from kvstore.cli import main
-from kvstore.cli.stats import format_stats
+from kvstore.cli.daemon_stats import format_stats
 from kvstore.predictor.learning.features import feature_names, feature_vector
 from kvstore.predictor.learning.model import ReturnModel, default_prior
 from kvstore.predictor.learning.sessions import SessionTracker

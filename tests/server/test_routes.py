@@ -24,7 +24,7 @@ from support.http_kv import error_code, get_bytes, lookup, make_chain, put, regi
 
 from kvstore import cli
 from kvstore.block import check_identity, encode_block, verify_block
-from kvstore.cli import stats as cli_stats
+from kvstore.cli import daemon_stats as cli_stats
 from kvstore.keys import KVLayout, Namespace, chunk_keys
 
 
