@@ -1,1 +1,20 @@
-"""x"""
+"""The tiers: one batched byte store per level of the hierarchy, behind one protocol.
+
+::
+
+    kinds.py        TierKind and the traits table every layer reads: the one list to extend
+    registry.py     TierConfig, and the explicit table that opens a tier of each kind
+    base.py         the Tier protocol every backend implements, and its contract
+    extents.py      the page-aligned extent allocator of the memory arenas
+    arena_tier.py   what the two memory tiers share: an index over an arena, generations
+    hbm.py          GPU memory (a device tensor; ``device="cpu"`` runs it without a GPU)
+    dram.py         host memory in a named shared-memory segment, pinned under CUDA
+    prefault.py     committing the DRAM arena's pages in the background
+    lmdb_tier.py    local SSD through one LMDB environment
+    redis_tier.py   Redis or Redis Cluster, the tier shared between hosts
+    local_redis.py  private redis-server processes (the replay's, the benchmarks', the tests')
+
+A tier neither chooses what to evict nor knows about prefixes: that is the
+store's (``kvstore.store``). May import: the format (``kvstore.errors``,
+``keys``, ``block``, ``config``, ``processes``) and nothing above it.
+"""

@@ -1,17 +1,26 @@
 """``kvstore serve``: the tiered store behind HTTP on a Unix socket (and optionally TCP).
 
-One module per job::
+The whole daemon, one module per job::
 
-    config.py   DaemonConfig ([daemon] table, KVSTORE_DAEMON_*), ServiceConfig loader
-    state.py    typed app keys and the daemon's mutable state
-    app.py      create_app: middlewares (errors, auth, drain), health, stats, metrics
-    routes.py   the /v1 KV routes: namespaces, lookup, put, get, leases, delete, events
-    leases.py   shared-memory leases: pins given back exactly once
-    events.py   session events clients report, and the ring that keeps them
-    metrics.py  a Prometheus registry per app; store counters read at scrape time
-    run.py      Server: sockets, signals, drain, flush, close
+    config.py          DaemonConfig ([daemon] table), ServiceConfig (the whole file)
+    run.py             Server: sockets, signals, drain, flush, close
+    app.py             create_app: middlewares (errors, auth, drain), health, stats, metrics
+    state.py           typed app keys and the daemon's mutable state
+    routes.py          the /v1 KV routes: namespaces, lookup, get, leases, delete, events
+    get_frames.py      a bytes get's frames, sent from where each block lies
+    put.py             POST /v1/put: a frames body received, verified whole, stored
+    borrowed_body.py   a put's body read off the connection, past aiohttp
+    landing.py         a put's blocks written straight into reserved DRAM extents
+    serving.py         SharedServing: shared-memory gets and landed puts, over the
+                       store's StoreCore (its public members only)
+    leases.py          shared-memory leases: pins given back exactly once
+    event_log.py       the ring of recent session events
+    metrics.py         a Prometheus registry per app; store counters read at scrape time
+    connection.py      which socket a request came in on
 
 The contract is docs/http_api.md; the bytes on the wire are ``kvstore.wire``.
+May import: the format, the tiers, the store, the wire and the predictor
+(this is the one place that wires the predictor to a store); never the client.
 """
 
 from kvstore.server.app import create_app
