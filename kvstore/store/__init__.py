@@ -15,6 +15,7 @@
     chunk.py         what callers hand the store and get back (KVChunk, CachedPrefix)
     config.py        StoreConfig and CostModel: the store's settings
     stats.py         the counters
+    closing.py       the with-statement every face shares
 
 May import: the format (``kvstore.errors``, ``keys``, ``block``, ``codec``,
 ``config``) and ``kvstore.tiers``; never the wire, the daemon, the client or
