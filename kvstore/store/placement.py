@@ -4,9 +4,10 @@
 
     admit(tier) ──► room? ──no──► evict_one(tier): the policy's first unpinned,
         │                           unprotected victim is written back to the
-        │                           next tier down (unless a lower tier already
-        │                           holds it), then removed here; only the last
-        │                           tier drops blocks for good
+        │                           next tier down (or where the policy says),
+        │                           unless that tier holds it already, then
+        │                           removed here; only the last tier drops
+        │                           blocks for good
         ▼
     put_many(batch) ──TierFull──► evict one more, retry with half the batch
         │
@@ -283,11 +284,15 @@ class Placement:
         to: TierKind | None = None,
         drop: bool = False,
     ) -> None:
-        """Write ``key`` back below ``kind`` (into ``to`` if given) unless a tier at or
-        below that one has it, then drop it from ``kind``; ``drop`` skips the
-        write-back. A block that cannot be read back is dropped, not moved."""
+        """Write ``key`` back into the next tier down (``to`` if given) unless that tier
+        holds it already, then drop it from ``kind``; ``drop`` skips the write-back.
+        A block that cannot be read back is dropped, not moved.
+
+        A copy further down (SSD, say, for a block leaving HBM) does not stand in
+        for the write-back: the block would then be served from the slowest copy
+        for as long as it is used, where one write puts it a tier faster."""
         lower = None if drop else (to if to is not None else self.below(kind))
-        if lower is not None and not any(other >= lower for other in meta.sizes):
+        if lower is not None and lower not in meta.sizes:
             buffers = self.tiers[kind].get_many(meta.namespace, [key])
             if buffers and buffers[0] is not None:
                 try:

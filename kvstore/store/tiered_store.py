@@ -205,8 +205,8 @@ class TieredStore(Closing):
 
         With ``to``, move each key out of every tier faster than ``to``, writing
         it back into ``to`` (or the first configured tier below it) unless a copy
-        is already held there or lower; a key already no faster than ``to`` does
-        not count. A ``to`` below every configured tier drops the keys.
+        is already held there; a key already no faster than ``to`` does not
+        count. A ``to`` below every configured tier drops the keys.
         """
         placement = self.core.placement
         target = None if to is None else next((k for k in placement.order if k >= to), None)

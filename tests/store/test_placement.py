@@ -207,14 +207,27 @@ def test_evict_writes_back_into_the_tier_named_or_drops(build: Build) -> None:
     assert (hbm.demotions, hbm.evictions, stack.stats.tier(DRAM).bytes_written) == (1, 1, 0)
 
 
-def test_evict_skips_the_write_back_when_a_lower_tier_holds_a_copy(build: Build) -> None:
+def test_evict_writes_back_to_the_next_tier_though_a_slower_one_holds_a_copy(
+    build: Build,
+) -> None:
+    """Context that once spilled to SSD and was read back must not be served from SSD
+    for ever after: leaving HBM, it is written to DRAM."""
     stack = build(hbm=2, dram=2, ssd=1 << 20)
     stack.admit(SSD, A[:1])
     stack.admit(HBM, A[:1])
-    stack.placement.evict(HBM, A[0], stack.meta(A[0]))  # next tier is DRAM; SSD is below it
-    assert stack.where(A[0]) == {SSD: BLOCK_BYTES}
-    assert stack.stats.tier(DRAM).bytes_written == 0
-    assert stack.stats.tier(SSD).bytes_written == BLOCK_BYTES
+    stack.placement.evict(HBM, A[0], stack.meta(A[0]))
+    assert stack.where(A[0]) == {DRAM: BLOCK_BYTES, SSD: BLOCK_BYTES}
+    assert stack.stats.tier(DRAM).bytes_written == BLOCK_BYTES
+    assert stack.stats.tier(HBM).demotions == 1
+
+
+def test_evict_skips_the_write_back_when_the_next_tier_holds_a_copy(build: Build) -> None:
+    stack = build(hbm=2, dram=2, ssd=1 << 20)
+    stack.admit(DRAM, A[:1])
+    stack.admit(HBM, A[:1])
+    stack.placement.evict(HBM, A[0], stack.meta(A[0]))
+    assert stack.where(A[0]) == {DRAM: BLOCK_BYTES}
+    assert stack.stats.tier(DRAM).bytes_written == BLOCK_BYTES  # the first admission only
     assert stack.stats.tier(HBM).demotions == 1
 
 
