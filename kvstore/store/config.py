@@ -15,7 +15,6 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from kvstore.config import (
@@ -39,8 +38,8 @@ _OTHER_VARIABLES = frozenset({CONFIG_VARIABLE, TOKEN_VARIABLE})
 _RATE_SUFFIX = "_bytes_per_s"
 
 
-def _default_rates() -> Mapping[TierKind, float]:
-    return MappingProxyType({kind: traits.reload_bytes_per_s for kind, traits in TIERS.items()})
+def _default_rates() -> dict[TierKind, float]:
+    return {kind: traits.reload_bytes_per_s for kind, traits in TIERS.items()}
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         rates = {**_default_rates(), **self.reload_bytes_per_s}
-        object.__setattr__(self, "reload_bytes_per_s", MappingProxyType(rates))
+        object.__setattr__(self, "reload_bytes_per_s", rates)  # a copy: the caller's stays theirs
         checked = {"recompute_tokens_per_s": self.recompute_tokens_per_s}
         checked |= {f"{kind.label}{_RATE_SUFFIX}": rate for kind, rate in rates.items()}
         if self.kv_bytes_per_token is not None:

@@ -21,6 +21,7 @@ sheds load.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -68,30 +69,24 @@ class LRUPolicy:
             order.pop(key, None)
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
-        """Least recent first. Snapshots in small batches, so removals while
-        iterating are safe and a long queue is not copied whole."""
+        """Least recent first. Snapshots the head of the queue in batches that double,
+        so removals while iterating are safe, a long queue is not copied whole, and
+        walking ``n`` victims costs O(n) however many are skipped."""
         order = self._order.get(tier)
         if not order:
             return
         seen: set[ChunkKey] = set()
+        size = 32
         while True:
-            batch = [key for key in _head(order, len(seen) + 32) if key not in seen]
+            batch = [key for key in itertools.islice(order, size) if key not in seen]
             if not batch:
                 return
             for key in batch:
                 seen.add(key)
                 if key in order:
                     yield key
+            size *= 2
 
     def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
         """Always the next tier down."""
         return None
-
-
-def _head(order: OrderedDict[ChunkKey, None], count: int) -> list[ChunkKey]:
-    keys: list[ChunkKey] = []
-    for key in order:
-        if len(keys) == count:
-            break
-        keys.append(key)
-    return keys

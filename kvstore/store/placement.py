@@ -197,7 +197,7 @@ class Placement:
             batch.append(admission)
             need += admission.block.nbytes
         while batch and tier.used_bytes() + need > capacity:
-            if not self.evict_one(kind, protect):
+            if not self.make_room(kind, tier.used_bytes() + need - capacity, protect):
                 # Nothing left to evict: shrink the batch to what fits now.
                 while batch and tier.used_bytes() + need > capacity:
                     need -= batch.pop().block.nbytes
@@ -258,6 +258,14 @@ class Placement:
 
     def evict_one(self, kind: TierKind, protect: frozenset[ChunkKey] = frozenset()) -> bool:
         """Evict the policy's first unpinned, unprotected victim from ``kind``."""
+        return self.make_room(kind, 1, protect)
+
+    def make_room(self, kind: TierKind, nbytes: int, protect: frozenset[ChunkKey]) -> bool:
+        """Evict the policy's first unpinned, unprotected victims from ``kind`` until they
+        held at least ``nbytes`` (as the index counts them; an arena's page rounding may
+        leave the caller a little short); whether there was any victim."""
+        victims: list[tuple[ChunkKey, BlockMeta]] = []
+        freed = 0
         for key in self._policy.victims(kind):
             meta = self._index.get(key)
             if meta is None or kind not in meta.sizes:
@@ -265,15 +273,20 @@ class Placement:
                 continue
             if meta.pins or key in protect:
                 continue
-            self.evict(kind, key, meta, to=self._destination(kind, key))
-            return True
-        return False
+            victims.append((key, meta))
+            freed += meta.sizes[kind]
+            if freed >= nbytes:
+                break
+        self.evict_many(kind, victims)
+        return bool(victims)
 
     def _destination(self, kind: TierKind, key: ChunkKey) -> TierKind | None:
         """Where a victim of ``kind`` is written back: the tier the policy names if it is
-        a configured, slower one; else ``None``, the next tier down."""
+        a configured, slower one; else the next tier down (``None`` below the last)."""
         target = self._policy.destination(kind, key)
-        return target if target is not None and target > kind and target in self.tiers else None
+        if target is not None and target > kind and target in self.tiers:
+            return target
+        return self.below(kind)
 
     def evict(
         self,
@@ -284,32 +297,66 @@ class Placement:
         to: TierKind | None = None,
         drop: bool = False,
     ) -> None:
-        """Write ``key`` back into the next tier down (``to`` if given) unless that tier
-        holds it already, then drop it from ``kind``; ``drop`` skips the write-back.
-        A block that cannot be read back is dropped, not moved.
+        """``evict_many`` for one block."""
+        self.evict_many(kind, [(key, meta)], to=to, drop=drop)
+
+    def evict_many(
+        self,
+        kind: TierKind,
+        victims: Sequence[tuple[ChunkKey, BlockMeta]],
+        *,
+        to: TierKind | None = None,
+        drop: bool = False,
+    ) -> None:
+        """Write each victim back into its destination (``to`` if given, else where the
+        policy says or the next tier down) unless that tier holds it already, then
+        drop it from ``kind``; ``drop`` skips the write-back. A block that cannot be
+        read back is dropped, not moved. Victims going to one tier move in one batch.
 
         A copy further down (SSD, say, for a block leaving HBM) does not stand in
         for the write-back: the block would then be served from the slowest copy
         for as long as it is used, where one write puts it a tier faster."""
-        lower = None if drop else (to if to is not None else self.below(kind))
-        if lower is not None and lower not in meta.sizes:
-            buffers = self.tiers[kind].get_many(meta.namespace, [key])
-            if buffers and buffers[0] is not None:
-                try:
-                    block = self.reencode(stored_block(buffers[0]), lower)
-                except CorruptBlock:
-                    self._stats.tier(kind).corrupt_blocks += 1
-                else:
-                    admission = Admission(key, block, meta.parent)
-                    self.admit(lower, meta.namespace, [admission], protect=frozenset({key}))
-        self.tiers[kind].delete_many(meta.namespace, [key])
-        self._index.drop(kind, key)
-        self._policy.on_remove(kind, key)
+        moving: dict[tuple[TierKind, bytes], list[tuple[ChunkKey, BlockMeta]]] = {}
+        leaving: dict[bytes, list[ChunkKey]] = {}
+        for key, meta in victims:
+            leaving.setdefault(meta.namespace, []).append(key)
+            lower = None if drop else (to if to is not None else self._destination(kind, key))
+            if lower is not None and lower not in meta.sizes:
+                moving.setdefault((lower, meta.namespace), []).append((key, meta))
+        for (lower, namespace), items in moving.items():
+            self._write_back(kind, lower, namespace, items)
+        for namespace, keys in leaving.items():
+            self.tiers[kind].delete_many(namespace, keys)
         counters = self._stats.tier(kind)
-        if self._index.get(key) is not None:
-            counters.demotions += 1
-        else:
-            counters.evictions += 1
+        for key, _ in victims:
+            self._index.drop(kind, key)
+            self._policy.on_remove(kind, key)
+            if self._index.get(key) is not None:
+                counters.demotions += 1
+            else:
+                counters.evictions += 1
+
+    def _write_back(
+        self,
+        kind: TierKind,
+        lower: TierKind,
+        namespace: bytes,
+        items: Sequence[tuple[ChunkKey, BlockMeta]],
+    ) -> None:
+        """Copy ``items`` of tier ``kind`` into tier ``lower``, framed for its codec."""
+        keys = [key for key, _ in items]
+        buffers = self.tiers[kind].get_many(namespace, keys) or [None] * len(keys)
+        admissions = []
+        for (key, meta), buffer in zip(items, buffers, strict=True):
+            if buffer is None:
+                continue
+            try:
+                block = self.reencode(stored_block(buffer), lower)
+            except CorruptBlock:
+                self._stats.tier(kind).corrupt_blocks += 1
+                continue
+            admissions.append(Admission(key, block, meta.parent))
+        self.admit(lower, namespace, admissions, protect=frozenset(keys))
 
     def forget(self, kind: TierKind, namespace: bytes, key: ChunkKey) -> int:
         """Delete ``kind``'s copy of ``key`` (bad, vanished or unwanted) and forget it;

@@ -66,7 +66,6 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.predictor.placement.baselines import LRUBaseline, TTLPolicy
@@ -86,15 +85,13 @@ from kvstore.tiers.kinds import TierKind
 INF = math.inf
 
 
-def _horizons() -> Mapping[TierKind, float]:
+def _horizons() -> dict[TierKind, float]:
     hour = 3600.0
-    return MappingProxyType(
-        {TierKind.HBM: 60.0, TierKind.DRAM: 600.0, TierKind.SSD: hour, TierKind.REDIS: 4 * hour}
-    )
+    return {TierKind.HBM: 60.0, TierKind.DRAM: 600.0, TierKind.SSD: hour, TierKind.REDIS: 4 * hour}
 
 
-def _keep() -> Mapping[TierKind, float]:
-    return MappingProxyType(dict.fromkeys(TierKind, 0.5))
+def _keep() -> dict[TierKind, float]:
+    return dict.fromkeys(TierKind, 0.5)
 
 
 @dataclass(frozen=True)

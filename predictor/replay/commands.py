@@ -2,9 +2,11 @@
 
 ::
 
-    kvstore replay TRACE [--format mooncake|tracelab]
+    kvstore replay PATH... [--format mooncake|tracelab|kv-cache-tester]
+                   [--users N | --rate PER_HOUR] [--seed S] [--warm-prefix]
                    [--policy lru,ttl:60,ttl:300,ttl:600,predictor,oracle]
                    --hbm-gb X --dram-gb Y --ssd-gb Z [--redis-gb W]
+                   [--max-running N] [--chunk-blocks N] [--jobs N]
                    [--kv-bytes-per-token N] [--recompute-tokens-per-s R]
                    [--max-requests N] [--model FILE] [--json] [--plot DIR]
     kvstore train-predictor TRACE... [--format ...] --out FILE
@@ -19,11 +21,15 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
+from kvstore.predictor.replay.engine import DEFAULT_MAX_RUNNING
+from kvstore.predictor.replay.traces import TraceFormat
+from kvstore.predictor.replay.workload import DEFAULT_USERS
 from kvstore.store.config import CostModel
 from kvstore.tiers.kinds import TierKind
 
@@ -36,8 +42,38 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     replay = commands.add_parser(
         "replay", help="replay a request trace through the real store under several policies"
     )
-    replay.add_argument("trace", type=Path, help="a trace file (JSON Lines)")
-    replay.add_argument("--format", choices=["mooncake", "tracelab"], help="default: guessed")
+    replay.add_argument(
+        "paths", type=Path, nargs="+", metavar="PATH",
+        help="a trace file (JSON Lines), or kv-cache-tester conversations (files or a folder)",
+    )  # fmt: skip
+    replay.add_argument(
+        "--format", choices=[f.value for f in TraceFormat], help="default: guessed"
+    )
+    replay.add_argument(
+        "--users", type=int, help="conversations: this many users, each playing one after "
+        f"another (default {DEFAULT_USERS})",
+    )  # fmt: skip
+    replay.add_argument(
+        "--rate", type=float, metavar="PER_HOUR",
+        help="conversations: start each at a Poisson arrival of this many an hour instead",
+    )  # fmt: skip
+    replay.add_argument("--seed", type=int, default=0, help="shuffles, arrivals, the model")
+    replay.add_argument(
+        "--warm-prefix", action="store_true",
+        help="conversations: their system prompt and tool definitions are one shared prefix",
+    )  # fmt: skip
+    replay.add_argument(
+        "--max-running", type=int, default=DEFAULT_MAX_RUNNING,
+        help=f"requests in the engine's batch at once (default {DEFAULT_MAX_RUNNING})",
+    )  # fmt: skip
+    replay.add_argument(
+        "--chunk-blocks", type=int,
+        help="trace blocks per chunk (default: 1024 tokens a chunk where blocks are smaller)",
+    )  # fmt: skip
+    replay.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1,
+        help="policies replayed at once, in worker processes (default: one per core)",
+    )  # fmt: skip
     replay.add_argument(
         "--policy",
         default="lru,ttl:60,ttl:300,ttl:600,predictor,oracle",
@@ -108,17 +144,26 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from kvstore.predictor.replay.costs import Sizing
+    from kvstore.predictor.replay.engine import EngineModel
     from kvstore.predictor.replay.report import format_table, plot, summarize
     from kvstore.predictor.replay.simulator import (
         ReplayConfig,
+        chunk_blocks_for,
         horizons_for,
         idle_gaps,
         parse_policies,
         replay,
     )
-    from kvstore.predictor.replay.traces import TraceFormat, load_trace
+    from kvstore.predictor.replay.workload import load_workload
 
-    trace = load_trace(args.trace, TraceFormat(args.format) if args.format else None)
+    workload = load_workload(
+        args.paths,
+        TraceFormat(args.format) if args.format else None,
+        users=args.users,
+        rate=args.rate,
+        seed=args.seed,
+        warm_prefix=args.warm_prefix,
+    )
     specs = parse_policies(args.policy)
     costs = CostModel(
         recompute_tokens_per_s=args.recompute_tokens_per_s,
@@ -133,14 +178,17 @@ def _replay(args: argparse.Namespace) -> int:
             sizing=Sizing(args.hbm_gb, args.dram_gb, args.ssd_gb, args.redis_gb),
             kv_bytes_per_token=args.kv_bytes_per_token,
             costs=costs,
+            engine=EngineModel(max_running=args.max_running),
+            chunk_blocks=args.chunk_blocks or chunk_blocks_for(workload.block_tokens),
             tick_s=args.tick,
             max_requests=args.max_requests,
             model_path=args.model,
+            seed=args.seed,
             score_from=args.score_from,
             redis_url=redis_url,
         )
-        results = replay(trace, specs, config, progress)
-        report = summarize(trace, results, config, horizons_for(trace, config))
+        results = replay(workload, specs, config, progress, jobs=args.jobs)
+        report = summarize(workload, results, config, horizons_for(workload, config))
         sweep: dict[float, dict[str, float]] = {}
         if args.plot is not None:
             sizes = (
@@ -154,13 +202,14 @@ def _replay(args: argparse.Namespace) -> int:
                     continue
                 sizing = Sizing(size, args.dram_gb, args.ssd_gb, args.redis_gb)
                 sized = dataclasses.replace(config, sizing=sizing)
-                sweep[size] = {r.name: r.hit_rate for r in replay(trace, specs, sized, progress)}
+                runs = replay(workload, specs, sized, progress, jobs=args.jobs)
+                sweep[size] = {r.name: r.hit_rate for r in runs}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(format_table(report))
     if args.plot is not None:
-        for path in plot(report, results, idle_gaps(trace, config), sweep, args.plot):
+        for path in plot(report, results, idle_gaps(workload, config), sweep, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -3,17 +3,24 @@
 The JSON (``kvstore replay --json``)::
 
     {"trace": NAME, "requests": N, "prompt_tokens": N, "config": {...},
-     "policies": {NAME: {"hit_rate", "hit_rate_by_tier": {"hbm": ..}, "recomputed_tokens",
-                         "gpu_seconds", "ttft_mean", "ttft_p50", "ttft_p99",
-                         "hbm_gb_hours_idle", "prefetches": {"issued", "used", "wasted",
-                         "pending"}, "auc": {"60": ..}, "brier": {..}, ...}},
-     "summary": {"best_baseline", "predictor_gap_closed", ...}}
+     "policies": {NAME: {"gpu_seconds", "queue_seconds", "writeback_seconds",
+                         "ttft_p50", "ttft_p99", "ttft_p50_human", "ttft_p99_human",
+                         "ttft_p50_tool", "ttft_p99_tool", "hit_rate",
+                         "hit_rate_by_tier": {"hbm": ..}, "hbm_gb_hours_idle",
+                         "bytes_moved": {"dram": {"read", "written"}, ..},
+                         "prefetches_used", "prefetches_wasted",
+                         "auc": {"60": ..}, "brier": {..}, "auc_human": {..},
+                         "brier_human": {..}, ...}},
+     "baselines": {"prev_gap": {"auc_human", "brier_human"},
+                   "base_rate": {"auc_human", "brier_human"}},
+     "summary": {"best_baseline", "predictor_saves_vs_best_baseline", ...}}
 
-``auc`` and ``brier`` are the predictor's prequential scores per horizon
-(empty for the other policies); ``baselines`` holds the same for the
-base-rate and last-gap predictors scored on the same labels. The gap closed is
-``(best baseline - predictor) / (best baseline - oracle)`` in GPU-seconds,
-the best baseline being the cheapest of ``lru`` and the ``ttl:*`` policies.
+``auc`` and ``brier`` are the predictor's prequential scores per horizon over
+every idle period (``learning.quality``); ``auc_human`` and ``brier_human``
+over the periods a human ends (``replay.scoring``), where ``baselines`` are
+scored on exactly the same periods (those of the predictor's run). The gap
+closed is ``(best baseline - predictor) / (best baseline - oracle)`` in
+GPU-seconds, the best baseline being the cheapest of the baseline policies.
 Numbers that are not defined (an AUC before both labels were seen) are null.
 """
 
@@ -27,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.predictor.replay.simulator import PolicyResult, ReplayConfig
-from kvstore.predictor.replay.traces import Trace
+from kvstore.predictor.replay.workload import Workload
 from kvstore.tiers.kinds import TierKind
 
 
@@ -40,6 +47,10 @@ def _clean(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_clean(item) for item in value]
     return value
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else math.nan
 
 
 def policy_summary(result: PolicyResult) -> dict[str, Any]:
@@ -57,10 +68,17 @@ def policy_summary(result: PolicyResult) -> dict[str, Any]:
         "recomputed_tokens": result.recomputed_tokens,
         "gpu_seconds": result.gpu_seconds,
         "load_seconds": result.load_seconds,
+        "writeback_seconds": result.writeback_seconds,
+        "queue_seconds": result.queue_seconds,
         "ttft_mean": float(ttft.mean()) if ttft.size else math.nan,
-        "ttft_p50": float(np.percentile(ttft, 50)) if ttft.size else math.nan,
-        "ttft_p99": float(np.percentile(ttft, 99)) if ttft.size else math.nan,
+        "ttft_p50": _percentile(result.ttft_s, 50),
+        "ttft_p99": _percentile(result.ttft_s, 99),
+        "ttft_p50_human": _percentile(result.ttft_human_s, 50),
+        "ttft_p99_human": _percentile(result.ttft_human_s, 99),
+        "ttft_p50_tool": _percentile(result.ttft_tool_s, 50),
+        "ttft_p99_tool": _percentile(result.ttft_tool_s, 99),
         "hbm_gb_hours_idle": result.hbm_gb_hours_idle,
+        "bytes_moved": result.bytes_moved,
         "prefetches": result.prefetches.to_dict(),
         "prefetches_used": result.prefetches.used,
         "prefetches_wasted": result.prefetches.wasted,
@@ -68,7 +86,13 @@ def policy_summary(result: PolicyResult) -> dict[str, Any]:
         "tiers": result.tier_counters,
         "auc": {},
         "brier": {},
+        "auc_human": {},
+        "brier_human": {},
     }
+    if result.human is not None:
+        summary["auc_human"] = result.human["auc_human"]
+        summary["brier_human"] = result.human["brier_human"]
+        summary["labels_human"] = result.human["n_human"]
     if result.quality is not None:
         quality = result.quality
         summary["auc"] = quality.get("auc", {})
@@ -92,16 +116,16 @@ def gap_closed(baseline: float, predictor: float, oracle: float) -> float:
 
 
 def summarize(
-    trace: Trace,
+    workload: Workload,
     results: Sequence[PolicyResult],
     config: ReplayConfig,
     horizons: Sequence[float],
 ) -> dict[str, Any]:
-    """The whole replay: trace, configuration, every policy, and the comparison."""
+    """The whole replay: workload, configuration, every policy, and the comparison."""
     first = results[0] if results else None
     policies = {result.name: policy_summary(result) for result in results}
     sizing = config.sizing
-    chunk_tokens = trace.block_tokens
+    chunk_tokens = workload.block_tokens * config.chunk_blocks
     summary: dict[str, Any] = {}
     baselines = [r for r in results if r.baseline]
     by_name = {r.name: r for r in results}
@@ -121,8 +145,13 @@ def summarize(
             summary["predictor_gap_closed"] = gap_closed(
                 best.gpu_seconds, predictor.gpu_seconds, oracle.gpu_seconds
             )
+    scored = next((r for r in results if r.name == "predictor" and r.human), None)
+    scored = scored or next((r for r in results if r.human), None)
+    baselines_scores: dict[str, Any] = {}
+    if scored is not None and scored.human is not None:
+        baselines_scores = {name: scored.human[name] for name in ("prev_gap", "base_rate")}
     report = {
-        "trace": trace.name,
+        "trace": workload.name,
         "requests": first.requests if first else 0,
         "prompt_tokens": first.prompt_tokens if first else 0,
         "config": {
@@ -138,13 +167,16 @@ def summarize(
             "kv_bytes_per_token": config.kv_bytes_per_token,
             "recompute_tokens_per_s": config.costs.recompute_tokens_per_s,
             "reload_bytes_per_s": {kind.label: config.costs.bytes_per_s(kind) for kind in TierKind},
-            "decode_tokens_per_s": config.decode_tokens_per_s,
+            "max_running": config.engine.max_running,
+            "closed_loop": workload.closed_loop,
+            "lanes": len(workload.lanes),
             "tick_s": config.tick_s,
             "horizons": list(horizons),
             "max_requests": config.max_requests,
             "score_from": config.score_from if math.isfinite(config.score_from) else None,
         },
         "policies": policies,
+        "baselines": baselines_scores,
         "summary": summary,
     }
     return _clean(report)
@@ -168,8 +200,10 @@ def format_table(report: dict[str, Any]) -> str:
         "ssd",
         "redis",
         "GPU-s",
-        "TTFT p50",
-        "TTFT p99",
+        "queue-s",
+        "TTFT p50 human",
+        "p99 human",
+        "p99 tool",
         "HBM GB-h idle",
         "prefetch used/wasted",
         *[f"AUC {h}s" for h in horizons],
@@ -186,8 +220,10 @@ def format_table(report: dict[str, Any]) -> str:
                 pct(tiers.get("ssd")),
                 pct(tiers.get("redis")),
                 num(p["gpu_seconds"]),
-                num(p["ttft_p50"], 3),
-                num(p["ttft_p99"], 3),
+                num(p["queue_seconds"]),
+                num(p["ttft_p50_human"], 3),
+                num(p["ttft_p99_human"], 3),
+                num(p["ttft_p99_tool"], 3),
                 num(p["hbm_gb_hours_idle"], 2),
                 f"{p['prefetches_used']}/{p['prefetches_wasted']}",
                 *[num(p["auc"].get(h), 3) if p["auc"] else "-" for h in horizons],

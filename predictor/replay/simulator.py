@@ -1,53 +1,62 @@
-"""The replay: a trace's requests through the real ``TieredStore`` and a real policy,
-on a simulated clock.
+"""The replay: a workload's calls through the real ``TieredStore`` and a real policy, on a
+simulated clock, in a modeled engine (``replay.engine``).
 
-Each request becomes two session events, and a timer ticks in between::
+One call, as events::
 
-    request_started   (trace time)   tracker/learner ─► lookup ─► policy.on_resume
-                                     ─► get the chunks worth loading ─► put the prompt
-    request_finished  (+ decode)     tracker/learner (forecast) ─► policy.on_idle
-    tick              (every tick_s) learner.tick, policy.tick, HBM held by idle sessions
+    arrive   (open loop: its trace time; closed loop: think_s after the last response)
+             tracker/learner ─► policy.on_resume (prefetch) ─► the admission queue
+    admit    (a batch slot and HBM free) lookup ─► get the chunks worth loading
+             ─► put the rest ─► pin the prompt in HBM ─► the GPU queue ─► first token
+    finish   (first token + api_s) unpin ─► tracker/learner (forecast) ─► policy.on_idle
+             ─► the session's next step: a call think_s away, subagents, or its end
+    tick     (every tick_s) learner.tick, policy.tick, HBM held by idle sessions
 
 The tracker, learner and policy calls go through ``driver.SessionDriver``, the
-same wiring the daemon uses (``service``). Events run in time order (at equal
-times a finish before a start), and every tick due by an event's time runs
-before it. A request ends after ``output_tokens / decode_tokens_per_s``
-seconds, or when its session's next request arrives, if that is sooner.
+same wiring the daemon uses (``service``). Events run in time order; at equal
+times ticks first, then finishes, then arrivals, so a session that returns
+the instant it went idle is seen idle first. A group of subagents starts as
+its step comes; they run as sessions of their own and the parent's next call
+waits until the last of them has finished.
 
 What is real: the store (an HBM tier on ``device="cpu"``, a shared-memory
 DRAM arena, LMDB in a temporary directory with ``sync=False``, a private
 redis-server with ``--redis-gb``), its placement mechanics, the policy code,
 the tracker, the features, the model and its online learning. What is
-modeled: payload bytes (a 1 KiB stand-in per chunk, ``costs.stand_in_layout``),
-time (the trace's clock), and every cost (``costs.CostMeter``).
+modeled: payload bytes (tiny stand-ins, ``costs.stand_in_layout``), time, and
+every cost (``engine``, ``costs``). Trace block ids are grouped into chunks of
+``chunk_blocks`` blocks, each keyed by its whole prefix.
 
-Prefetches take time. The lookup answers before ``on_resume`` prefetches, and
-the request is charged from the tiers the lookup saw, except that a chunk
-whose prefetch copy has not landed yet (``PrefetchStats.loading``: copies queue
-per source tier and each takes its modeled load time) is charged from the tier
-it is being copied from. So a prefetch at resume hides no load, and one made at
-a tick, ahead of the return, is credited only if its copy finished before the
-request arrived.
+Prefetches take time. A chunk whose prefetch copy has not landed when the
+request is admitted (``PrefetchStats.loading``: copies queue per source tier
+and each takes its modeled load time) is charged from the tier it is being
+copied from, so only a prefetch made ahead of the return hides a load.
 
 ``oracle`` is ``PlacementPolicy`` fed ``policy.perfect_forecast`` with the
-session's true next arrival read from the trace instead of the model;
-``oracle:AUC`` blurs that truth to the given AUC (``replay.oracle``).
+session's true next arrival instead of the model's forecast; ``oracle:AUC``
+blurs that truth to the given AUC (``replay.oracle``). Runs of several
+policies go to worker processes (``jobs``), each on a fresh store: the same
+workload and seed give the same numbers however many there are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
+import multiprocessing
 import tempfile
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvstore.block import HEADER_BYTES
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import ChunkKey, Namespace, external_keys
 from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.learning.features import feature_names
 from kvstore.predictor.learning.model import DEFAULT_HORIZONS, REHEARSAL, Rehearsal, ReturnModel
@@ -61,64 +70,69 @@ from kvstore.predictor.placement.policy import (
     SessionPolicy,
     perfect_forecast,
 )
+from kvstore.predictor.replay.conversations import Call, Stop, Subagents
 from kvstore.predictor.replay.costs import (
-    DECODE_TOKENS_PER_S,
     LLAMA_8B_KV_BYTES_PER_TOKEN,
     CostMeter,
     Sizing,
     stand_in_capacity,
     stand_in_layout,
 )
+from kvstore.predictor.replay.engine import Admission, EngineModel, PrefillQueue, RequestCost
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
 from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, make_policy, parse_policies
-from kvstore.predictor.replay.timeline import (
-    BlockKeys,
-    ReplayEvent,
-    Step,
-    finished_event,
-    requests_of,
-    session_events,
-)
-from kvstore.predictor.replay.traces import Trace, TraceRequest
+from kvstore.predictor.replay.scoring import IdlePeriod, score_periods
 from kvstore.predictor.replay.training import train
+from kvstore.predictor.replay.workload import Lane, Script, Step, Workload, nominal_seconds
 from kvstore.store.config import CostModel, StoreConfig
-from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
-from kvstore.wire.events import RequestStarted
+from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 Progress = Callable[[str, int, int], None]
-"""``progress(policy, requests done, requests in all)``."""
+"""``progress(policy, calls done, calls in all)``."""
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """Everything a replay depends on besides the trace and the policy."""
+    """Everything a replay depends on besides the workload and the policy."""
 
     sizing: Sizing
     kv_bytes_per_token: int = LLAMA_8B_KV_BYTES_PER_TOKEN
     costs: CostModel = field(default_factory=CostModel)
+    engine: EngineModel = field(default_factory=EngineModel)
+    chunk_blocks: int = 1
+    """Trace blocks per chunk (kv-cache-tester's 64-token blocks: 16, a 1024-token chunk)."""
     tick_s: float = 10.0
-    decode_tokens_per_s: float = DECODE_TOKENS_PER_S
     max_requests: int | None = None
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     horizons: tuple[float, ...] | None = None
-    """The model's horizons; ``None``: those of ``DEFAULT_HORIZONS`` a trace can label."""
+    """The model's horizons; ``None``: those of ``DEFAULT_HORIZONS`` the workload can label."""
     model_path: Path | None = None
     seed: int = 0
     redis_url: str | None = None
     rehearsal: Rehearsal | None = REHEARSAL
     """The predictor's rehearsal of recent labels (``model.Rehearsal``); None: off."""
     score_from: float = -math.inf
-    """Charge only requests that arrive at or after this trace time; earlier ones still
-    run (they warm the store and the learner). For scoring the rest of a trace after
-    pre-training a model on its first part: the charged part must be unseen."""
+    """Charge only calls that arrive at or after this time; earlier ones still run (they
+    warm the store and the learner)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One call as the replay served it (``RequestCost`` with its session and end)."""
+
+    session: str
+    cost: RequestCost
+    end: float
+    hit_tokens: int
+    recomputed_tokens: int
 
 
 @dataclass
 class PolicyResult:
-    """What one policy did over one trace."""
+    """What one policy did over one workload."""
 
     name: str
     baseline: bool
@@ -129,13 +143,21 @@ class PolicyResult:
     recomputed_tokens: int = 0
     gpu_seconds: float = 0.0
     load_seconds: float = 0.0
+    writeback_seconds: float = 0.0
+    queue_seconds: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
+    ttft_human_s: list[float] = field(default_factory=list)
+    ttft_tool_s: list[float] = field(default_factory=list)
     hbm_byte_seconds_idle: float = 0.0
     prefetches: PrefetchStats = field(default_factory=PrefetchStats)
     demoted_at_idle: int = 0
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    bytes_moved: dict[str, dict[str, float]] = field(default_factory=dict)
     quality: dict[str, dict[str, float]] | None = None
+    human: dict[str, Any] | None = None
     calibration: list[tuple[float, float, int]] = field(default_factory=list)
+    calls: list[CallRecord] = field(default_factory=list, repr=False)
+    """Every call charged, in the order admitted."""
 
     @property
     def hit_rate(self) -> float:
@@ -146,67 +168,96 @@ class PolicyResult:
         return self.hbm_byte_seconds_idle / 1e9 / 3600.0
 
 
-def idle_gaps(trace: Trace, config: ReplayConfig) -> list[float]:
-    """Every idle gap that ended in a return: next arrival minus the modeled finish."""
-    requests = requests_of(trace, config.max_requests)
-    return [
-        event.next_start - event.time
-        for event in session_events(requests, config.decode_tokens_per_s)
-        if event.step is Step.FINISH and event.next_start is not None
-    ]
+CHUNK_TOKENS = 1024
+"""The chunk a replay keys by default where a trace's blocks are smaller (64-token ones:
+16 a chunk). Coarser chunks replay faster; each request recomputes up to one chunk
+of its prompt's tail whatever the policy, so finer ones measure the cached part
+more closely."""
 
 
-def _blurred(
-    requests: Sequence[TraceRequest], config: ReplayConfig, horizons: Sequence[float], auc: float
-) -> BlurredOracle:
-    """``oracle:AUC``: the true gaps blurred to ``auc``, around the trace's base rates."""
-    finishes = [
-        event
-        for event in session_events(requests, config.decode_tokens_per_s)
-        if event.step is Step.FINISH
-    ]
-    gaps = [math.inf if e.next_start is None else e.next_start - e.time for e in finishes]
-    end = requests[-1].time
-    rates = base_rates([e.time for e in finishes], gaps, horizons, end)
-    return BlurredOracle(auc, rates, config.seed)
+def chunk_blocks_for(block_tokens: int) -> int:
+    """Trace blocks per chunk by default: ``CHUNK_TOKENS`` a chunk, at least one block."""
+    return max(1, CHUNK_TOKENS // block_tokens)
+
+
+# -- the nominal timeline -------------------------------------------------------------
+
+
+def nominal_idle(workload: Workload, max_requests: int | None = None) -> list[tuple[float, float]]:
+    """(when a session went idle, how long until it was back) of every call on the
+    nominal timeline (``workload.nominal_seconds``); ``math.inf``: not back."""
+    periods: list[tuple[float, float]] = []
+    for lane in workload.lanes:
+        start = lane.start
+        for script in lane.scripts:
+            if script.arrivals is not None:
+                periods += _open_idle(script)
+                continue
+            periods += _closed_idle(script.steps, start)
+            start += nominal_seconds(script.steps)
+    periods.sort()
+    return periods if max_requests is None else periods[:max_requests]
+
+
+def _open_idle(script: Script) -> list[tuple[float, float]]:
+    assert script.arrivals is not None
+    out = []
+    for index, (step, arrival) in enumerate(zip(script.steps, script.arrivals, strict=True)):
+        assert isinstance(step, Call), "an open-loop session has calls only"
+        end = arrival + step.api_s
+        following = script.arrivals[index + 1] if index + 1 < len(script.arrivals) else None
+        out.append((end, math.inf if following is None else max(0.0, following - end)))
+    return out
+
+
+def _closed_idle(steps: Sequence[Step], start: float) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    now = start
+    for index, step in enumerate(steps):
+        if isinstance(step, Call):
+            now += step.think_s + step.api_s
+            out.append((now, _gap_after(steps, index)))
+        else:
+            for child in step.conversations:
+                out += _closed_idle(child.steps, now + step.think_s)
+            now += step.think_s + max(nominal_seconds(c.steps) for c in step.conversations)
+    return out
+
+
+def _gap_after(steps: Sequence[Step], index: int) -> float:
+    """How long after step ``index`` ended its session's next call arrives (nominal)."""
+    gap = 0.0
+    for step in steps[index + 1 :]:
+        if isinstance(step, Call):
+            return gap + step.think_s
+        gap += step.think_s + max(nominal_seconds(c.steps) for c in step.conversations)
+    return math.inf
+
+
+def horizons_for(workload: Workload, config: ReplayConfig) -> tuple[float, ...]:
+    """The model's horizons for a replay of ``workload``.
+
+    A horizon is labelled 0 only once it has passed without a return, so within
+    a workload shorter than twice a horizon most of that horizon's labels are
+    censored and the ones that are known are nearly all returns: the model would
+    learn P(back within an hour) from returns alone. So by default only the
+    horizons that fit twice into the nominal timeline are modeled; a forecast
+    stays flat beyond its last horizon.
+    """
+    if config.horizons is not None:
+        return config.horizons
+    periods = nominal_idle(workload, config.max_requests)
+    duration = periods[-1][0] - periods[0][0] if periods else 0.0
+    fitting = tuple(h for h in DEFAULT_HORIZONS if 2 * h <= duration)
+    return fitting or DEFAULT_HORIZONS[:1]
+
+
+def idle_gaps(workload: Workload, config: ReplayConfig) -> list[float]:
+    """Every nominal idle gap that ended in a return (for the plots)."""
+    return [gap for _, gap in nominal_idle(workload, config.max_requests) if gap < math.inf]
 
 
 # -- the store under replay ---------------------------------------------------------
-
-
-class _IdleWatch:
-    """The store's policy, seen through a proxy that counts, per session, the blocks HBM
-    holds for it (the last session to touch a block owns it): for HBM GB-hours idle."""
-
-    def __init__(self, inner: EvictionPolicy) -> None:
-        self.inner = inner
-        self.held: Counter[str | None] = Counter()
-        self._owner: dict[ChunkKey, str | None] = {}  # HBM block -> owner
-        self._last: dict[ChunkKey, str] = {}  # any block -> last session to touch it
-
-    def on_access(
-        self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
-    ) -> None:
-        self.inner.on_access(tier, keys, session)
-        for key in keys:
-            if session is not None:
-                self._last[key] = session
-            if tier is TierKind.HBM:
-                if key in self._owner:
-                    self.held[self._owner[key]] -= 1
-                owner = self._owner[key] = self._last.get(key)
-                self.held[owner] += 1
-
-    def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
-        self.inner.on_remove(tier, key)
-        if tier is TierKind.HBM and key in self._owner:
-            self.held[self._owner.pop(key)] -= 1
-
-    def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
-        return self.inner.victims(tier)
-
-    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
-        return self.inner.destination(tier, key)
 
 
 def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> StoreConfig:
@@ -228,33 +279,12 @@ def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> S
                 raise ConfigError("a Redis tier needs a redis_url (tiers.local_redis starts one)")
             prefix = f"kvs-replay-{directory.name}"
             tiers.append(TierConfig(kind, capacity, url=config.redis_url, key_prefix=prefix))
-    if not tiers:
-        raise ConfigError("every tier has zero capacity")
+    if not tiers or tiers[0].kind is not TierKind.HBM:
+        raise ConfigError("the engine model needs an HBM tier: give --hbm-gb")
     costs = dataclasses.replace(config.costs, kv_bytes_per_token=config.kv_bytes_per_token)
     return StoreConfig(
-        tiers=tuple(tiers),
-        promote_on_hit=True,
-        scan_on_open=False,
-        data_dir=directory,
-        costs=costs,
+        tiers=tuple(tiers), promote_on_hit=True, scan_on_open=False, data_dir=directory, costs=costs
     )
-
-
-def horizons_for(trace: Trace, config: ReplayConfig) -> tuple[float, ...]:
-    """The model's horizons for a replay of ``trace``.
-
-    A horizon is labelled 0 only once it has passed without a return, so within
-    a trace shorter than twice a horizon most of that horizon's labels are
-    censored and the ones that are known are nearly all returns: the model would
-    learn P(back within an hour) from returns alone. So by default only the
-    horizons that fit twice into the trace are modeled (the one-hour Mooncake
-    trace: 1 and 10 minutes); a forecast stays flat beyond its last horizon.
-    """
-    if config.horizons is not None:
-        return config.horizons
-    duration = requests_of(trace, config.max_requests)[-1].time - trace.requests[0].time
-    fitting = tuple(h for h in DEFAULT_HORIZONS if 2 * h <= duration)
-    return fitting or DEFAULT_HORIZONS[:1]
 
 
 def _learner(config: ReplayConfig, horizons: tuple[float, ...]) -> OnlineLearner:
@@ -268,159 +298,381 @@ def _learner(config: ReplayConfig, horizons: tuple[float, ...]) -> OnlineLearner
     return OnlineLearner(model, tracker, PrequentialScores())
 
 
+class ChunkChains:
+    """A call's block ids as the chunk keys of one namespace: ``chunk_blocks`` ids a
+    chunk, each keyed by every id before and in it (interned, so a chunk is hashed
+    once however many calls share it)."""
+
+    def __init__(self, namespace: Namespace, chunk_blocks: int) -> None:
+        self.namespace = namespace
+        self.chunk_blocks = chunk_blocks
+        self._ids: dict[tuple[int, tuple[str, ...]], int] = {}
+        self._keys: list[ChunkKey] = []
+
+    def of(self, call: Call) -> list[ChunkKey]:
+        size = self.chunk_blocks
+        keys: list[ChunkKey] = []
+        parent = -1
+        for end in range(size, len(call.blocks) + 1, size):
+            link = (parent, call.blocks[end - size : end])
+            chunk = self._ids.get(link)
+            if chunk is None:
+                chunk = self._ids[link] = len(self._keys)
+                self._keys.append(external_keys(self.namespace, [chunk])[0])
+            keys.append(self._keys[chunk])
+            parent = chunk
+        return keys
+
+
 # -- the replay ------------------------------------------------------------------
 
 
 def replay_policy(
-    trace: Trace, spec: PolicySpec, config: ReplayConfig, progress: Progress | None = None
+    workload: Workload, spec: PolicySpec, config: ReplayConfig, progress: Progress | None = None
 ) -> PolicyResult:
-    """Replay ``trace`` under one policy on a fresh store; see the module docstring."""
+    """Replay ``workload`` under one policy on a fresh store; see the module docstring."""
+    chunk_tokens = workload.block_tokens * config.chunk_blocks
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as directory:
-        store_config = _store_config(config, trace.block_tokens, Path(directory))
+        store_config = _store_config(config, chunk_tokens, Path(directory))
         policy = make_policy(spec, config.placement)
-        watch = _IdleWatch(policy)
-        with TieredStore(store_config, policy=watch) as store:
-            return _Run(trace, spec, config, store, policy, watch).run(progress)
+        with TieredStore(store_config, policy=policy) as store:
+            return _Run(workload, spec, config, store, policy).run(progress)
+
+
+@dataclass
+class _Session:
+    """A session being played: its steps, where it is, who waits for it."""
+
+    name: str
+    user: str | None
+    steps: tuple[Step, ...]
+    arrivals: tuple[float, ...] | None
+    lane: _LaneRun | None = None
+    parent: _Session | None = None
+    index: int = -1  # the step under way
+    children_left: int = 0
+    last_human_gap: float | None = None
+    idle_since: float | None = None
+
+
+@dataclass
+class _LaneRun:
+    lane: Lane
+    next_script: int = 0
+
+
+@dataclass
+class _Request:
+    """One call between its arrival and its finish."""
+
+    session: _Session
+    call: Call
+    index: int  # of the call among its session's steps
+    keys: list[ChunkKey]
+    arrival: float = 0.0
+    hit_tokens: int = 0
+    recomputed_tokens: int = 0
+
+
+class _Order:
+    """At equal times: ticks, then finishes, then arrivals."""
+
+    TICK = 0
+    FINISH = 1
+    ARRIVE = 2
 
 
 class _Run:
-    """One policy over one trace. Owns the event loop and the counters."""
+    """One policy over one workload. Owns the event loop and the counters."""
 
     def __init__(
         self,
-        trace: Trace,
+        workload: Workload,
         spec: PolicySpec,
         config: ReplayConfig,
         store: TieredStore,
         policy: SessionPolicy,
-        watch: _IdleWatch,
     ) -> None:
+        self.workload = workload
         self.spec = spec
         self.config = config
         self.store = store
         self.policy = policy
-        self.watch = watch
-        self.requests = requests_of(trace, config.max_requests)
-        self.namespace = Namespace("replay", stand_in_layout(trace.block_tokens))
+        chunk_tokens = workload.block_tokens * config.chunk_blocks
+        self.namespace = Namespace("replay", stand_in_layout(chunk_tokens))
         store.register(self.namespace)
-        self.meter = CostMeter(config.costs, trace.block_tokens, config.kv_bytes_per_token)
-        self.horizons = horizons_for(trace, config)
+        self.chains = ChunkChains(self.namespace, config.chunk_blocks)
+        self.meter = CostMeter(config.costs, chunk_tokens, config.kv_bytes_per_token)
+        self.horizons = horizons_for(workload, config)
         self.learner = (
             _learner(config, self.horizons) if spec.kind is PolicyKind.PREDICTOR else None
         )
-        self.blurred = (
-            _blurred(self.requests, config, self.horizons, spec.auc)
-            if spec.auc is not None
-            else None
-        )
+        self.blurred = self._blurred() if spec.auc is not None else None
         self.driver = SessionDriver(store, policy, self.learner)
-        self.tracker = self.driver.tracker
         self.payload = bytes(self.namespace.layout.chunk_nbytes)
+        self.block_bytes = HEADER_BYTES + self.namespace.layout.chunk_nbytes
+        hbm_slots = config.sizing.slots(TierKind.HBM, chunk_tokens, config.kv_bytes_per_token)
+        self.admission = Admission(hbm_slots, config.engine.max_running)
+        self.arena_slot = stand_in_capacity(TierKind.HBM, 1, self.namespace.layout)
+        self.gpu = PrefillQueue()
+        self.waiting: list[_Request] = []  # arrival order
         self.result = PolicyResult(spec.name, spec.baseline)
-        self.chains = BlockKeys(self.namespace)
-        self._served: dict[int, tuple[int, int]] = {}  # request -> (loaded, recomputed) tokens
-        self._end = self.requests[-1].time if self.requests else 0.0
+        self.periods: list[IdlePeriod] = []
+        self._events: list[tuple[float, int, int, Callable[[float], None]]] = []
+        self._sequence = itertools.count()
+        self._pending = 0  # events other than ticks
+        self._issued = 0
+        self._total = min(workload.calls(), config.max_requests or math.inf)
+        self._done = 0
+        self._end = 0.0
+
+    # -- the event loop --------------------------------------------------------
+
+    def _at(self, time: float, order: int, handler: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (time, order, next(self._sequence), handler))
+        if order != _Order.TICK:
+            self._pending += 1
 
     def run(self, progress: Progress | None) -> PolicyResult:
-        events = session_events(self.requests, self.config.decode_tokens_per_s)
-        tick = self.config.tick_s
-        next_tick = (math.floor(events[0].time / tick) + 1) * tick if events else 0.0
-        total = len(self.requests)
-        every = max(1, total // 100)
-        started = 0
-        for event in events:
-            while next_tick <= event.time:
-                self._tick(next_tick)
-                next_tick += tick
-            if event.step is Step.START:
-                self._start(event)
-                started += 1
-                if progress is not None and (started % every == 0 or started == total):
-                    progress(self.spec.name, started, total)
-            else:
-                self._finish(event)
+        for lane in self.workload.lanes:
+            self._next_script(_LaneRun(lane), lane.start)
+        if self._events:
+            tick = self.config.tick_s
+            self._at((math.floor(self._events[0][0] / tick) + 1) * tick, _Order.TICK, self._tick)
+        every = max(1, int(self._total) // 100)
+        while self._events:
+            time, order, _, handler = heapq.heappop(self._events)
+            if order != _Order.TICK:
+                self._pending -= 1
+            self._end = max(self._end, time)
+            handler(time)
+            if progress is not None and order == _Order.FINISH and self._done % every == 0:
+                progress(self.spec.name, self._done, int(self._total))
+        if progress is not None:
+            progress(self.spec.name, self._done, int(self._total))
         self._close()
         return self.result
 
-    # -- events --------------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        self.driver.tick(now)
+        held = self.store.tier(TierKind.HBM).used_bytes() // self.arena_slot
+        idle = max(0, held - self.admission.pinned)
+        if now >= self.config.score_from:
+            self.result.hbm_byte_seconds_idle += idle * self.meter.chunk_bytes * self.config.tick_s
+        if self._pending:
+            self._at(now + self.config.tick_s, _Order.TICK, self._tick)
 
-    def _start(self, event: ReplayEvent) -> None:
-        request = self.requests[event.request]
-        now = request.time
-        keys = self.chains.of(request)
-        started = RequestStarted(request.session, request.trigger, request.prompt_tokens, 0, now)
-        state = self.driver.started(started, keys, self.namespace.digest, request.user)
-        prefix = self.store.lookup(self.namespace, keys)
+    # -- sessions ---------------------------------------------------------------
+
+    def _next_script(self, lane: _LaneRun, now: float) -> None:
+        """Start ``lane``'s next session at ``now`` (nothing when it has none left)."""
+        if lane.next_script >= len(lane.lane.scripts):
+            return
+        script = lane.lane.scripts[lane.next_script]
+        lane.next_script += 1
+        session = _Session(script.session, script.user, script.steps, script.arrivals, lane)
+        if script.arrivals is not None:  # open loop: every call at its time
+            for index, arrival in enumerate(script.arrivals):
+                self._issue(session, index, arrival)
+            return
+        self._advance(session, now)
+
+    def _advance(self, session: _Session, now: float) -> None:
+        """Begin ``session``'s next step at ``now``: a call ``think_s`` away, subagents, or
+        its end (which its parent, or its user's next session, waits for)."""
+        session.index += 1
+        if session.index >= len(session.steps):
+            self._ended(session, now)
+            return
+        step = session.steps[session.index]
+        if isinstance(step, Call):
+            self._issue(session, session.index, now + step.think_s)
+            return
+        session.children_left = len(step.conversations)
+        for conversation in step.conversations:
+            child = _Session(conversation.name, session.user, conversation.steps, None)
+            child.parent = session
+            self._advance(child, now + step.think_s)
+
+    def _ended(self, session: _Session, now: float) -> None:
+        if session.parent is not None:
+            parent = session.parent
+            parent.children_left -= 1
+            if parent.children_left == 0:
+                self._advance(parent, now)
+        elif session.lane is not None and session.arrivals is None:
+            self._next_script(session.lane, now)
+
+    def _issue(self, session: _Session, index: int, arrival: float) -> None:
+        if self._issued >= self._total:
+            return
+        self._issued += 1
+        step = session.steps[index]
+        assert isinstance(step, Call)
+        request = _Request(session, step, index, self.chains.of(step))
+        self._at(arrival, _Order.ARRIVE, lambda now: self._arrive(request, now))
+
+    # -- one call ------------------------------------------------------------------
+
+    def _arrive(self, request: _Request, now: float) -> None:
+        session, call = request.session, request.call
+        request.arrival = now
+        if call.trigger is Trigger.USER and session.idle_since is not None:
+            session.last_human_gap = now - session.idle_since
+        started = RequestStarted(session.name, call.trigger, call.prompt_tokens, 0, now)
+        state = self.driver.started(started, request.keys, self.namespace.digest, session.user)
         self.driver.resumed(state, now)
+        self.waiting.append(request)
+        self._admit_waiting(now)
+
+    def _admit_waiting(self, now: float) -> None:
+        while self.waiting and self.admission.fits(len(self.waiting[0].keys)):
+            self._admit(self.waiting.pop(0), now)
+
+    def _admit(self, request: _Request, now: float) -> None:
+        keys, call = request.keys, request.call
+        self.admission.take(len(keys))
+        written = self._written_below()
+        prefix = self.store.lookup(self.namespace, keys)
         wanted = prefix.load_chunks if prefix.load_chunks is not None else prefix.num_chunks
-        chunks = self.store.get(self.namespace, list(prefix.keys[:wanted])) if wanted else []
-        loaded = next((i for i, chunk in enumerate(chunks) if chunk is None), len(chunks))
-        hit = min(loaded * prefix.chunk_tokens, request.prompt_tokens)
-        recomputed = request.prompt_tokens - hit
+        loaded = self._load(prefix.keys[:wanted], prefix.tiers[:wanted])
         # A prefetched chunk still on its way is charged from the tier it is copied from.
         prefetches = self.policy.prefetches
         tiers = [
             prefetches.loading(key, now) or kind
             for key, kind in zip(prefix.keys[:loaded], prefix.tiers[:loaded], strict=True)
         ]
-        cost = self.meter.request(tiers, recomputed)
         self.store.put(
             self.namespace,
             keys,
             [None] * loaded + [self.payload] * (len(keys) - loaded),
-            session=request.session,
+            session=request.session.name,
         )
-        self._served[event.request] = (hit, recomputed)
-        if now < self.config.score_from:
-            return
-        result = self.result
-        result.requests += 1
-        result.prompt_tokens += request.prompt_tokens
-        result.hit_tokens += hit
-        for kind in tiers:
-            result.hit_tokens_by_tier[kind] = (
-                result.hit_tokens_by_tier.get(kind, 0) + prefix.chunk_tokens
-            )
-        result.recomputed_tokens += recomputed
-        result.gpu_seconds += cost.ttft_s
-        result.load_seconds += cost.load_s
-        result.ttft_s.append(cost.ttft_s)
+        self.store.pin(self.namespace, keys)
+        hit = min(loaded * prefix.chunk_tokens, call.prompt_tokens)
+        recomputed = call.prompt_tokens - hit
+        priced = self.meter.request(tiers, recomputed)
+        writeback = self._writeback_seconds(written)
+        ready = now + writeback + priced.load_s
+        cost = RequestCost(
+            arrival=request.arrival,
+            admitted=now,
+            prefill_start=self.gpu.start(ready, priced.recompute_s),
+            writeback_s=writeback,
+            load_s=priced.load_s,
+            recompute_s=priced.recompute_s,
+        )
+        request.hit_tokens, request.recomputed_tokens = hit, recomputed
+        end = cost.first_token + call.api_s
+        self._count(request, cost, tiers, end)
+        self._at(end, _Order.FINISH, lambda later: self._finish(request, later))
 
-    def _finish(self, event: ReplayEvent) -> None:
-        request = self.requests[event.request]
-        now = event.time
-        keys = self.chains.of(request)
-        hit, recomputed = self._served.pop(event.request)
-        finished = finished_event(request, event, hit, recomputed)
-        gap = event.next_start - now if event.next_start is not None else math.inf
+    def _load(self, keys: Sequence[ChunkKey], tiers: Sequence[TierKind]) -> int:
+        """Bring the cached run into HBM (a get promotes what it reads); how many of its
+        leading chunks arrived. Chunks in HBM already are not read: their bytes would
+        only be checked, and the put that follows marks them used."""
+        below = [i for i, kind in enumerate(tiers) if kind is not TierKind.HBM]
+        if not below:
+            return len(keys)
+        chunks = self.store.get(self.namespace, [keys[i] for i in below])
+        missing = next((i for i, chunk in zip(below, chunks, strict=True) if chunk is None), None)
+        return len(keys) if missing is None else missing
+
+    def _written_below(self) -> dict[TierKind, int]:
+        stats = self.store.core.stats
+        return {kind: stats.tier(kind).bytes_written for kind in self.store.tier_kinds[1:]}
+
+    def _writeback_seconds(self, before: dict[TierKind, int]) -> float:
+        """The copies into the tiers below HBM that making room took, at their rates."""
+        stats = self.store.core.stats
+        seconds = 0.0
+        for kind, then in before.items():
+            chunks = (stats.tier(kind).bytes_written - then) / self.block_bytes
+            seconds += chunks * self.meter.chunk_bytes / self.config.costs.bytes_per_s(kind)
+        return seconds
+
+    def _count(
+        self, request: _Request, cost: RequestCost, tiers: list[TierKind], end: float
+    ) -> None:
+        if request.arrival < self.config.score_from:
+            return
+        result, chunk_tokens = self.result, self.meter.chunk_tokens
+        result.calls.append(
+            CallRecord(
+                request.session.name, cost, end, request.hit_tokens, request.recomputed_tokens
+            )
+        )
+        result.requests += 1
+        result.prompt_tokens += request.call.prompt_tokens
+        result.hit_tokens += request.hit_tokens
+        result.recomputed_tokens += request.recomputed_tokens
+        for kind in tiers:
+            result.hit_tokens_by_tier[kind] = result.hit_tokens_by_tier.get(kind, 0) + chunk_tokens
+        result.gpu_seconds += cost.gpu_s
+        result.load_seconds += cost.load_s
+        result.writeback_seconds += cost.writeback_s
+        result.queue_seconds += cost.queue_s
+        result.ttft_s.append(cost.ttft_s)
+        human = request.call.trigger is Trigger.USER
+        (result.ttft_human_s if human else result.ttft_tool_s).append(cost.ttft_s)
+
+    def _finish(self, request: _Request, now: float) -> None:
+        session, call = request.session, request.call
+        self.store.unpin(self.namespace, request.keys)
+        self.admission.give_back(len(request.keys))
+        self._done += 1
+        finished = RequestFinished(
+            session=session.name,
+            steps=1,
+            output_tokens=call.output_tokens,
+            context_tokens=call.prompt_tokens + call.output_tokens,
+            tool_running=call.stop is Stop.TOOL_USE,
+            loaded_tokens=request.hit_tokens,
+            recomputed_tokens=request.recomputed_tokens,
+            time=now,
+        )
+        gap, human = self._next_arrival(request, now)
         oracle: ReturnForecast | None = None
         if self.blurred is not None:
-            oracle = self.blurred.forecast(request.session, now, gap, self.horizons)
+            oracle = self.blurred.forecast(session.name, now, gap, self.horizons)
         elif self.spec.kind is PolicyKind.ORACLE:
-            oracle = perfect_forecast(request.session, now, gap, self.horizons)
-        idle = self.driver.finished(finished, keys, self.namespace.digest, oracle)
-        if idle is not None and idle.forecast is not None:  # the learner's, to calibrate
-            self._calibrate(idle.forecast.horizons, idle.forecast.probabilities, now, gap)
+            oracle = perfect_forecast(session.name, now, gap, self.horizons)
+        idle = self.driver.finished(finished, request.keys, self.namespace.digest, oracle)
+        session.idle_since = now
+        if idle is not None and idle.forecast is not None:
+            self.periods.append(
+                IdlePeriod(now, gap, human, idle.forecast, session.last_human_gap)
+            )
+        if session.arrivals is None:
+            self._advance(session, now)
+        self._admit_waiting(now)
 
-    def _calibrate(
-        self, horizons: Sequence[float], probabilities: Sequence[float], now: float, gap: float
-    ) -> None:
-        """Keep (horizon, probability, label) where the trace tells the label."""
-        for horizon, probability in zip(horizons, probabilities, strict=True):
-            if gap <= horizon:
-                self.result.calibration.append((horizon, probability, 1))
-            elif now + horizon <= self._end:
-                self.result.calibration.append((horizon, probability, 0))
+    def _next_arrival(self, request: _Request, now: float) -> tuple[float, bool]:
+        """How long until ``request``'s session is back (``math.inf``: never), and whether a
+        human brings it back (or would: an agent that handed back to its human)."""
+        session, index = request.session, request.index
+        if session.arrivals is not None:
+            if index + 1 >= len(session.arrivals):
+                return math.inf, request.call.stop is not Stop.TOOL_USE
+            after = session.steps[index + 1]
+            assert isinstance(after, Call)
+            gap = max(0.0, session.arrivals[index + 1] - now)
+            return gap, after.trigger is Trigger.USER
+        gap = _gap_after(session.steps, index)
+        rest = session.steps[index + 1 :]
+        following = next((s for s in rest if isinstance(s, Call)), None)
+        if following is None:
+            return gap, request.call.stop is not Stop.TOOL_USE
+        subagents = any(isinstance(s, Subagents) for s in rest)
+        return gap, following.trigger is Trigger.USER and not subagents
 
-    def _tick(self, now: float) -> None:
-        self.driver.tick(now)
-        idle = sum(
-            count
-            for owner, count in self.watch.held.items()
-            if count and (owner is None or not _active(self.tracker, owner))
-        )
-        if now >= self.config.score_from:
-            self.result.hbm_byte_seconds_idle += idle * self.meter.chunk_bytes * self.config.tick_s
+    def _blurred(self) -> BlurredOracle:
+        """``oracle:AUC``: the true gaps blurred to its AUC, around the nominal base rates."""
+        assert self.spec.auc is not None
+        periods = nominal_idle(self.workload, self.config.max_requests)
+        end = periods[-1][0] if periods else 0.0
+        rates = base_rates([p[0] for p in periods], [p[1] for p in periods], self.horizons, end)
+        return BlurredOracle(self.spec.auc, rates, self.config.seed)
 
     def _close(self) -> None:
         result = self.result
@@ -429,44 +681,69 @@ class _Run:
             result.demoted_at_idle = self.policy.demoted
         if self.learner is not None and self.learner.scores is not None:
             result.quality = self.learner.scores.report()
+        if self.periods:
+            result.human, result.calibration = score_periods(
+                self.periods, self.horizons, self._end
+            )
         stats = self.store.stats()
-        result.tier_counters = {
-            kind.label: {
+        chunk_bytes = self.meter.chunk_bytes / self.block_bytes
+        result.tier_counters = {}
+        result.bytes_moved = {}
+        for kind, counters in stats.tiers.items():
+            result.tier_counters[kind.label] = {
                 "hits": counters.hits,
                 "demotions": counters.demotions,
                 "evictions": counters.evictions,
                 "promotions": counters.promotions,
                 "errors": counters.errors,
             }
-            for kind, counters in stats.tiers.items()
-        }
+            result.bytes_moved[kind.label] = {
+                "read": counters.bytes_read * chunk_bytes,
+                "written": counters.bytes_written * chunk_bytes,
+            }
 
 
-def _active(tracker: SessionTracker, session: str) -> bool:
-    state = tracker.get(session)
-    return state is not None and state.active
+def _replay_one(
+    workload: Workload, spec: PolicySpec, config: ReplayConfig, progress: Progress | None
+) -> PolicyResult:
+    """One policy in a worker process: torch on one thread, as the core it has."""
+    torch.set_num_threads(1)
+    return replay_policy(workload, spec, config, progress)
 
 
 def replay(
-    trace: Trace,
+    workload: Workload,
     specs: Sequence[PolicySpec],
     config: ReplayConfig,
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> list[PolicyResult]:
-    """Every policy over the same trace, each on a fresh store."""
-    return [replay_policy(trace, spec, config, progress) for spec in specs]
+    """Every policy over the same workload, each on a fresh store, ``jobs`` at a time in
+    worker processes (1: here, in order). Results come back in ``specs``' order."""
+    if jobs <= 1 or len(specs) <= 1:
+        return [replay_policy(workload, spec, config, progress) for spec in specs]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context) as pool:
+        runs = [pool.submit(_replay_one, workload, spec, config, None) for spec in specs]
+        results = []
+        for spec, run in zip(specs, runs, strict=True):
+            results.append(run.result())
+            if progress is not None:
+                progress(spec.name, 1, 1)
+        return results
 
 
 __all__ = [
+    "CallRecord",
+    "chunk_blocks_for",
     "PolicyKind",
     "PolicyResult",
     "PolicySpec",
     "ReplayConfig",
-    "ReplayEvent",
     "idle_gaps",
+    "nominal_idle",
     "parse_policies",
     "replay",
     "replay_policy",
-    "session_events",
     "train",
 ]

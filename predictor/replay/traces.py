@@ -39,6 +39,7 @@ MIN_SHARED_BLOCKS = 2
 class TraceFormat(enum.Enum):
     MOONCAKE = "mooncake"
     TRACELAB = "tracelab"
+    KV_CACHE_TESTER = "kv-cache-tester"  # conversations: ``replay.conversations``
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +82,9 @@ def load_trace(path: str | Path, trace_format: TraceFormat | None = None) -> Tra
         trace_format = TraceFormat.MOONCAKE if "hash_ids" in rows[0] else TraceFormat.TRACELAB
     if trace_format is TraceFormat.MOONCAKE:
         return Trace(path.name, MOONCAKE_BLOCK_TOKENS, tuple(_mooncake(rows)))
-    return Trace(path.name, _TRACELAB_BLOCK_TOKENS, tuple(_tracelab(rows)))
+    if trace_format is TraceFormat.TRACELAB:
+        return Trace(path.name, _TRACELAB_BLOCK_TOKENS, tuple(_tracelab(rows)))
+    raise ConfigError(f"{trace_format.value} holds conversations, not a request trace")
 
 
 def _rows(path: Path) -> Iterator[dict]:

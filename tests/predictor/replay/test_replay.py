@@ -37,6 +37,7 @@ from kvstore.predictor.replay.simulator import (
     train,
 )
 from kvstore.predictor.replay.traces import load_trace
+from kvstore.predictor.replay.workload import from_trace
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
@@ -83,7 +84,7 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def results(trace_file: Path):
     trace = load_trace(trace_file)
     specs = parse_policies("lru,ttl:30,ttl:120,predictor,oracle")
-    return trace, replay(trace, specs, ReplayConfig(SMALL))
+    return trace, replay(from_trace(trace), specs, ReplayConfig(SMALL))
 
 
 def test_parse_policies() -> None:
@@ -106,17 +107,20 @@ def test_every_prompt_token_is_a_hit_or_recomputed(results) -> None:
         assert sum(run.hit_tokens_by_tier.values()) == run.hit_tokens
         assert 0 < run.hit_tokens < total
         assert len(run.ttft_s) == len(trace.requests)
-        assert run.gpu_seconds == pytest.approx(sum(run.ttft_s))
+        assert run.gpu_seconds == pytest.approx(sum(run.ttft_s) - run.queue_seconds)
+        assert run.gpu_seconds == pytest.approx(
+            run.load_seconds + run.writeback_seconds + run.recomputed_tokens / 17_500.0
+        )
         assert run.prefetches.used + run.prefetches.wasted <= run.prefetches.issued
 
 
 def test_replay_is_deterministic(trace_file: Path, results) -> None:
     trace, runs = results
     config = ReplayConfig(SMALL)
-    again = replay(load_trace(trace_file), parse_policies("predictor,lru"), config)
-    horizons = horizons_for(trace, config)
-    first = summarize(trace, [runs[3], runs[0]], config, horizons)
-    second = summarize(trace, again, config, horizons)
+    again = replay(from_trace(load_trace(trace_file)), parse_policies("predictor,lru"), config)
+    horizons = horizons_for(from_trace(trace), config)
+    first = summarize(from_trace(trace), [runs[3], runs[0]], config, horizons)
+    second = summarize(from_trace(trace), again, config, horizons)
     assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
 
 
@@ -136,7 +140,7 @@ def test_the_predictor_reports_prequential_scores(results) -> None:
     predictor = next(run for run in runs if run.name == "predictor")
     assert predictor.quality is not None
     assert set(predictor.quality["auc"]) == {
-        f"{h:g}" for h in horizons_for(trace, ReplayConfig(SMALL))
+        f"{h:g}" for h in horizons_for(from_trace(trace), ReplayConfig(SMALL))
     }
     assert predictor.calibration
     assert all(run.quality is None for run in runs if run.name != "predictor")
@@ -203,8 +207,8 @@ def test_a_redis_tier_runs_on_a_private_server(trace_file: Path) -> None:
     with RedisServer() as server:
         url = server.url
         assert not url.endswith(":6379/0")
-        (run,) = replay(
-            load_trace(trace_file), parse_policies("lru"), ReplayConfig(sizing, redis_url=url)
+        workload = from_trace(load_trace(trace_file))
+        (run,) = replay(workload, parse_policies("lru"), ReplayConfig(sizing, redis_url=url)
         )
     assert run.hit_tokens + run.recomputed_tokens == run.prompt_tokens
     redis = run.tier_counters["redis"]
@@ -219,7 +223,7 @@ def test_a_redis_tier_runs_on_a_private_server(trace_file: Path) -> None:
 def test_mooncake_conversation_trace_quick() -> None:
     trace = load_trace(TRACES / "mooncake_conversation_trace.jsonl")
     config = ReplayConfig(Sizing(40, 200, 2000), max_requests=300)
-    runs = replay(trace, parse_policies("lru,predictor"), config)
+    runs = replay(from_trace(trace), parse_policies("lru,predictor"), config)
     for run in runs:
         assert run.requests == 300
         assert run.hit_tokens + run.recomputed_tokens == run.prompt_tokens
@@ -291,7 +295,7 @@ def test_score_from_charges_only_the_later_requests_after_the_same_warm_up(
     trace, everything = results
     cut = trace.requests[len(trace.requests) // 2].time
     later = [r for r in trace.requests if r.time >= cut]
-    (lru,) = replay(trace, parse_policies("lru"), ReplayConfig(SMALL, score_from=cut))
+    (lru,) = replay(from_trace(trace), parse_policies("lru"), ReplayConfig(SMALL, score_from=cut))
     assert lru.requests == len(later)
     assert lru.prompt_tokens == sum(r.prompt_tokens for r in later)
     assert lru.hit_tokens + lru.recomputed_tokens == lru.prompt_tokens
