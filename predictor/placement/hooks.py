@@ -20,6 +20,7 @@ from kvstore.predictor.learning.online import ReturnForecast
 from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
+from kvstore.wire.events import Trigger
 
 
 class Forecast(Protocol):
@@ -55,6 +56,11 @@ class IdleSession(Protocol):
 
     @property
     def tool_running(self) -> bool: ...
+
+    @property
+    def last_trigger(self) -> Trigger | None:
+        """What began the session's latest request: a human, or a tool result."""
+        ...
 
 
 class SessionPolicy(EvictionPolicy, Protocol):

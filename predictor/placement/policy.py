@@ -53,10 +53,9 @@ running sessions rank last; blocks no session touched rank first, LRU.
 Ownership, not membership, decides what a session's idle placement moves, so
 one session going idle does not demote a prefix the others keep using.
 
-``TTLPolicy`` (an idle timeout demotes out of HBM, eviction LRU) and
-``LRUBaseline`` (LRU, hooks that do nothing) are the baselines; the oracle is
-``PlacementPolicy`` fed ``perfect_forecast``: the true next arrival read from
-the trace, a perfect classifier at the model's horizons.
+The baselines are ``placement.baselines``'; the oracle is ``PlacementPolicy``
+fed ``perfect_forecast``: the true next arrival read from the trace, a perfect
+classifier at the model's horizons.
 """
 
 from __future__ import annotations
@@ -68,7 +67,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.predictor.placement.baselines import LRUBaseline, TTLPolicy
 from kvstore.predictor.placement.hooks import (
     Forecast,
     IdleSession,
@@ -254,11 +252,19 @@ class PlacementPolicy:
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
         """Leaves only: a block with a child in the same tier stays, so a shared prefix
-        outlives every chain that extends it, whoever touched it last."""
-        children = self._children[tier]
+        outlives every chain that extends it, whoever touched it last. A block whose
+        children were all offered earlier in the same walk counts as a leaf: a chain
+        goes tail first, so one walk can free a whole chain, not only its tail (the
+        store skips a pinned block, and a request pins its whole prefix with it)."""
+        children, parents = self._children[tier], self._linked[tier]
+        offered: dict[ChunkKey, int] = {}  # children of each block offered in this walk
         for key in itertools.chain(self._anonymous.victims(tier), self._tiers[tier].victims()):
-            if key not in children:
-                yield key
+            if children.get(key, 0) > offered.get(key, 0):
+                continue
+            parent = parents.get(key)
+            if parent is not None:
+                offered[parent] = offered.get(parent, 0) + 1
+            yield key
 
     def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
         """Where a victim of ``tier`` goes (``kvstore.store.placement`` asks): the first slower
@@ -583,11 +589,9 @@ __all__ = [
     "Forecast",
     "GapShape",
     "IdleSession",
-    "LRUBaseline",
     "PlacementConfig",
     "PlacementPolicy",
     "PrefetchStats",
     "SessionPolicy",
-    "TTLPolicy",
     "perfect_forecast",
 ]

@@ -129,17 +129,19 @@ class TierRanking:
 
 
 def _tail_first(blocks: dict[str, dict[ChunkKey, None]], session: str) -> Iterator[ChunkKey]:
-    """``blocks[session]`` from the tail, in small snapshots (the store may remove keys
-    between two ``next`` calls)."""
+    """``blocks[session]`` from the tail, in snapshots that double (the store may remove
+    keys between two ``next`` calls), so walking ``n`` blocks costs O(n)."""
     seen: set[ChunkKey] = set()
+    size = 16
     while True:
         held = blocks.get(session)
         if not held:
             return
-        batch = [key for key in itertools.islice(reversed(held), len(seen) + 16) if key not in seen]
+        batch = [key for key in itertools.islice(reversed(held), size) if key not in seen]
         if not batch:
             return
         for key in batch:
             seen.add(key)
             if key in held:
                 yield key
+        size *= 2

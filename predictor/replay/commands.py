@@ -143,8 +143,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from kvstore.predictor.replay.bound import offline_bound
     from kvstore.predictor.replay.costs import Sizing
     from kvstore.predictor.replay.engine import EngineModel
+    from kvstore.predictor.replay.policies import PolicyKind
     from kvstore.predictor.replay.report import format_table, plot, summarize
     from kvstore.predictor.replay.simulator import (
         ReplayConfig,
@@ -187,8 +189,11 @@ def _replay(args: argparse.Namespace) -> int:
             score_from=args.score_from,
             redis_url=redis_url,
         )
-        results = replay(workload, specs, config, progress, jobs=args.jobs)
-        report = summarize(workload, results, config, horizons_for(workload, config))
+        replayed = [spec for spec in specs if spec.kind is not PolicyKind.BOUND]
+        bound = offline_bound(workload, config) if len(replayed) < len(specs) else None
+        results = replay(workload, replayed, config, progress, jobs=args.jobs)
+        horizons = horizons_for(workload, config)
+        report = summarize(workload, results, config, horizons, bound)
         sweep: dict[float, dict[str, float]] = {}
         if args.plot is not None:
             sizes = (
@@ -202,7 +207,7 @@ def _replay(args: argparse.Namespace) -> int:
                     continue
                 sizing = Sizing(size, args.dram_gb, args.ssd_gb, args.redis_gb)
                 sized = dataclasses.replace(config, sizing=sizing)
-                runs = replay(workload, specs, sized, progress, jobs=args.jobs)
+                runs = replay(workload, replayed, sized, progress, jobs=args.jobs)
                 sweep[size] = {r.name: r.hit_rate for r in runs}
     if args.json:
         print(json.dumps(report, indent=2))

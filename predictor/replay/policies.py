@@ -1,6 +1,15 @@
-"""The policies a replay compares, as named on the command line: ``lru``, ``ttl:SECONDS``,
-``predictor``, ``oracle`` and ``oracle:AUC`` (the oracle blurred to that AUC,
-``replay.oracle``); and the policy object each name stands for."""
+"""The policies a replay compares, as named on the command line, and the policy object
+each name stands for:
+
+    lru            LRU only                                      baselines
+    ttl:SECONDS    a fixed idle timeout at every tier               (placement.baselines)
+    tool-aware     HBM while a tool runs, out of HBM at the human's turn
+    prev-gap       out of HBM at once after a human gap over 10 minutes
+    lognormal      PlacementPolicy fed one log-normal of the deployment's human gaps
+    predictor      PlacementPolicy fed the return model's forecasts
+    oracle         PlacementPolicy fed the true next arrival (oracle:AUC: blurred to it)
+    bound          no policy: the offline lower bound on GPU-seconds (``replay.bound``)
+"""
 
 from __future__ import annotations
 
@@ -8,20 +17,35 @@ import enum
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
-from kvstore.predictor.placement.policy import (
+from kvstore.predictor.placement.baselines import (
     LRUBaseline,
-    PlacementConfig,
-    PlacementPolicy,
-    SessionPolicy,
+    PrevGapPolicy,
+    ToolAwarePolicy,
     TTLPolicy,
 )
+from kvstore.predictor.placement.policy import PlacementConfig, PlacementPolicy, SessionPolicy
 
 
 class PolicyKind(enum.Enum):
     LRU = "lru"
     TTL = "ttl"
+    TOOL_AWARE = "tool-aware"
+    PREV_GAP = "prev-gap"
+    LOGNORMAL = "lognormal"
     PREDICTOR = "predictor"
     ORACLE = "oracle"
+    BOUND = "bound"
+
+
+_BASELINES = frozenset(
+    {
+        PolicyKind.LRU,
+        PolicyKind.TTL,
+        PolicyKind.TOOL_AWARE,
+        PolicyKind.PREV_GAP,
+        PolicyKind.LOGNORMAL,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +66,7 @@ class PolicySpec:
 
     @property
     def baseline(self) -> bool:
-        return self.kind in (PolicyKind.LRU, PolicyKind.TTL)
+        return self.kind in _BASELINES
 
 
 def parse_policies(text: str) -> list[PolicySpec]:
@@ -56,7 +80,8 @@ def parse_policies(text: str) -> list[PolicySpec]:
             kind = PolicyKind(name.lower())
         except ValueError:
             raise ConfigError(
-                f"unknown policy {item!r}; expected lru, ttl:SECONDS, predictor, oracle[:AUC]"
+                f"unknown policy {item!r}; expected one of lru, ttl:SECONDS, tool-aware, "
+                "prev-gap, lognormal, predictor, oracle[:AUC], bound"
             ) from None
         seconds = auc = None
         if kind is PolicyKind.ORACLE and argument:
@@ -91,4 +116,10 @@ def make_policy(spec: PolicySpec, placement: PlacementConfig) -> SessionPolicy:
     if spec.kind is PolicyKind.TTL:
         assert spec.seconds is not None
         return TTLPolicy(spec.seconds)
+    if spec.kind is PolicyKind.TOOL_AWARE:
+        return ToolAwarePolicy()
+    if spec.kind is PolicyKind.PREV_GAP:
+        return PrevGapPolicy()
+    if spec.kind is PolicyKind.BOUND:
+        raise ConfigError("the bound is computed, not replayed (replay.bound)")
     return PlacementPolicy(placement)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.predictor.replay.bound import Bound
 from kvstore.predictor.replay.simulator import PolicyResult, ReplayConfig
 from kvstore.predictor.replay.workload import Workload
 from kvstore.tiers.kinds import TierKind
@@ -120,8 +121,10 @@ def summarize(
     results: Sequence[PolicyResult],
     config: ReplayConfig,
     horizons: Sequence[float],
+    bound: Bound | None = None,
 ) -> dict[str, Any]:
-    """The whole replay: workload, configuration, every policy, and the comparison."""
+    """The whole replay: workload, configuration, every policy, the offline bound, and
+    the comparison."""
     first = results[0] if results else None
     policies = {result.name: policy_summary(result) for result in results}
     sizing = config.sizing
@@ -145,6 +148,12 @@ def summarize(
             summary["predictor_gap_closed"] = gap_closed(
                 best.gpu_seconds, predictor.gpu_seconds, oracle.gpu_seconds
             )
+        if bound is not None:
+            summary["bound_below_best_baseline"] = 1.0 - bound.gpu_seconds / best.gpu_seconds
+            if predictor is not None:
+                summary["predictor_bound_gap_closed"] = gap_closed(
+                    best.gpu_seconds, predictor.gpu_seconds, bound.gpu_seconds
+                )
     scored = next((r for r in results if r.name == "predictor" and r.human), None)
     scored = scored or next((r for r in results if r.human), None)
     baselines_scores: dict[str, Any] = {}
@@ -175,7 +184,7 @@ def summarize(
             "max_requests": config.max_requests,
             "score_from": config.score_from if math.isfinite(config.score_from) else None,
         },
-        "policies": policies,
+        "policies": {**policies, **({"bound": bound.to_dict()} if bound else {})},
         "baselines": baselines_scores,
         "summary": summary,
     }
@@ -210,6 +219,8 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     rows = [columns]
     for name, p in report["policies"].items():
+        if name == "bound":
+            continue
         tiers = p["hit_rate_by_tier"]
         rows.append(
             [
@@ -250,6 +261,12 @@ def format_table(report: dict[str, Any]) -> str:
         )
     )
     out = [head, "", *lines]
+    bound = report["policies"].get("bound")
+    if bound:
+        out.append(
+            f"bound (offline, MIN per tier): {num(bound['gpu_seconds'])} GPU-s; "
+            f"{num(bound['gpu_seconds_prefetch'])} with perfect prefetch"
+        )
     predictor = report["policies"].get("predictor")
     if predictor and predictor.get("baselines"):
         for name, scores in predictor["baselines"].items():
@@ -292,7 +309,7 @@ def plot(
 
     directory.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    names = list(report["policies"])
+    names = [name for name in report["policies"] if name != "bound"]
 
     def save(figure: Any, name: str) -> None:
         path = directory / name

@@ -63,6 +63,7 @@ from kvstore.predictor.learning.model import DEFAULT_HORIZONS, REHEARSAL, Rehear
 from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionTracker
+from kvstore.predictor.placement.baselines import LogNormalGaps
 from kvstore.predictor.placement.policy import (
     PlacementConfig,
     PlacementPolicy,
@@ -310,8 +311,12 @@ class ChunkChains:
         self._keys: list[ChunkKey] = []
 
     def of(self, call: Call) -> list[ChunkKey]:
+        return [self._keys[chunk] for chunk in self.ids(call)]
+
+    def ids(self, call: Call) -> list[int]:
+        """The call's chunks as small integers, one per distinct prefix."""
         size = self.chunk_blocks
-        keys: list[ChunkKey] = []
+        chunks: list[int] = []
         parent = -1
         for end in range(size, len(call.blocks) + 1, size):
             link = (parent, call.blocks[end - size : end])
@@ -319,9 +324,9 @@ class ChunkChains:
             if chunk is None:
                 chunk = self._ids[link] = len(self._keys)
                 self._keys.append(external_keys(self.namespace, [chunk])[0])
-            keys.append(self._keys[chunk])
+            chunks.append(chunk)
             parent = chunk
-        return keys
+        return chunks
 
 
 # -- the replay ------------------------------------------------------------------
@@ -408,6 +413,7 @@ class _Run:
             _learner(config, self.horizons) if spec.kind is PolicyKind.PREDICTOR else None
         )
         self.blurred = self._blurred() if spec.auc is not None else None
+        self.lognormal = LogNormalGaps() if spec.kind is PolicyKind.LOGNORMAL else None
         self.driver = SessionDriver(store, policy, self.learner)
         self.payload = bytes(self.namespace.layout.chunk_nbytes)
         self.block_bytes = HEADER_BYTES + self.namespace.layout.chunk_nbytes
@@ -519,6 +525,8 @@ class _Run:
         request.arrival = now
         if call.trigger is Trigger.USER and session.idle_since is not None:
             session.last_human_gap = now - session.idle_since
+            if self.lognormal is not None:
+                self.lognormal.observe(session.last_human_gap)
         started = RequestStarted(session.name, call.trigger, call.prompt_tokens, 0, now)
         state = self.driver.started(started, request.keys, self.namespace.digest, session.user)
         self.driver.resumed(state, now)
@@ -637,12 +645,14 @@ class _Run:
             oracle = self.blurred.forecast(session.name, now, gap, self.horizons)
         elif self.spec.kind is PolicyKind.ORACLE:
             oracle = perfect_forecast(session.name, now, gap, self.horizons)
+        elif self.lognormal is not None:
+            tool = call.stop is Stop.TOOL_USE
+            oracle = self.lognormal.forecast(session.name, now, self.horizons, tool)
         idle = self.driver.finished(finished, request.keys, self.namespace.digest, oracle)
         session.idle_since = now
-        if idle is not None and idle.forecast is not None:
-            self.periods.append(
-                IdlePeriod(now, gap, human, idle.forecast, session.last_human_gap)
-            )
+        given = oracle if oracle is not None else idle.forecast if idle is not None else None
+        if idle is not None and given is not None:
+            self.periods.append(IdlePeriod(now, gap, human, given, session.last_human_gap))
         if session.arrivals is None:
             self._advance(session, now)
         self._admit_waiting(now)

@@ -7,22 +7,20 @@ from pathlib import Path
 
 import pytest
 from support import kv
+from support.sessions import Sessions
 
 from kvstore import TieredStore, TierKind
-from kvstore.keys import ChunkKey, Namespace, external_keys
+from kvstore.keys import external_keys
 from kvstore.predictor.learning.model import DEFAULT_HORIZONS
 from kvstore.predictor.learning.online import ReturnForecast
-from kvstore.predictor.learning.sessions import SessionState, SessionTracker
+from kvstore.predictor.placement.baselines import LRUBaseline, TTLPolicy
 from kvstore.predictor.placement.policy import (
-    LRUBaseline,
     PlacementConfig,
     PlacementPolicy,
     PrefetchStats,
     SessionPolicy,
-    TTLPolicy,
     perfect_forecast,
 )
-from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 
@@ -42,37 +40,6 @@ class StepForecast:
 
 def forecast(session: str, at: float, *probabilities: float) -> ReturnForecast:
     return ReturnForecast(session, at, DEFAULT_HORIZONS, tuple(probabilities))
-
-
-class Sessions:
-    """Drives one store and one policy the way the daemon and the replay do."""
-
-    def __init__(self, store: TieredStore, policy: SessionPolicy) -> None:
-        self.store = store
-        self.policy = policy
-        self.tracker = SessionTracker()
-        self.ns: Namespace = kv.namespace()
-
-    def request(self, session: str, tokens_start: int, n_chunks: int, now: float) -> SessionState:
-        """One request of ``session`` whose prompt is ``n_chunks`` chunks from ``tokens_start``."""
-        tokens = kv.tokens(n_chunks, start=tokens_start)
-        keys = self.store.keys_for(self.ns, tokens)
-        started = RequestStarted(session, Trigger.USER, len(tokens), 0, now)
-        state, _ = self.tracker.started(started, keys, self.ns.digest)
-        self.policy.on_resume(self.store, state, now)
-        self.store.put(self.ns, tokens, kv.chunks(n_chunks), session=session)
-        finished = RequestFinished(session, 1, 8, len(tokens), False, 0, 0, now + 1)
-        return self.tracker.finished(finished, keys, self.ns.digest)
-
-    def busy(self, n_chunks: int) -> None:
-        """A request that keeps running (no ``on_idle``) and holds ``n_chunks`` of HBM."""
-        self.request("busy", 5000, n_chunks, now=0.0)
-
-    def keys(self, tokens_start: int, n_chunks: int) -> list[ChunkKey]:
-        return self.store.keys_for(self.ns, kv.tokens(n_chunks, start=tokens_start))
-
-    def where(self, tokens_start: int, n_chunks: int) -> list[TierKind | None]:
-        return self.store.locate(self.ns, self.keys(tokens_start, n_chunks))
 
 
 @pytest.fixture

@@ -1,0 +1,54 @@
+"""A real store and a session policy driven the way the daemon and the replay drive them."""
+
+from __future__ import annotations
+
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.predictor.learning.sessions import SessionState, SessionTracker
+from kvstore.predictor.placement.hooks import SessionPolicy
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
+from support import kv
+
+
+class Sessions:
+    """Drives one store and one policy the way the daemon and the replay do."""
+
+    def __init__(self, store: TieredStore, policy: SessionPolicy) -> None:
+        self.store = store
+        self.policy = policy
+        self.tracker = SessionTracker()
+        self.ns: Namespace = kv.namespace()
+
+    def request(
+        self,
+        session: str,
+        tokens_start: int,
+        n_chunks: int,
+        now: float,
+        *,
+        trigger: Trigger = Trigger.USER,
+        tool_running: bool = False,
+    ) -> SessionState:
+        """One request of ``session`` whose prompt is ``n_chunks`` chunks from ``tokens_start``,
+        finished a second later (``tool_running``: it ended asking for a tool)."""
+        tokens = kv.tokens(n_chunks, start=tokens_start)
+        keys = self.store.keys_for(self.ns, tokens)
+        started = RequestStarted(session, trigger, len(tokens), 0, now)
+        state, _ = self.tracker.started(started, keys, self.ns.digest)
+        self.policy.on_resume(self.store, state, now)
+        self.store.put(self.ns, tokens, kv.chunks(n_chunks), session=session)
+        finished = RequestFinished(session, 1, 8, len(tokens), tool_running, 0, 0, now + 1)
+        return self.tracker.finished(finished, keys, self.ns.digest)
+
+    def busy(self, n_chunks: int) -> None:
+        """A request that keeps running (no ``on_idle``) and holds ``n_chunks`` of HBM."""
+        self.request("busy", 5000, n_chunks, now=0.0)
+
+    def keys(self, tokens_start: int, n_chunks: int) -> list[ChunkKey]:
+        return self.store.keys_for(self.ns, kv.tokens(n_chunks, start=tokens_start))
+
+    def where(self, tokens_start: int, n_chunks: int) -> list[TierKind | None]:
+        return self.store.locate(self.ns, self.keys(tokens_start, n_chunks))
+
+
