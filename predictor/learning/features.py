@@ -86,6 +86,26 @@ def last_gap(state: SessionState, now: float, tracker: SessionTracker) -> list[f
     return [math.log1p(state.gaps[-1]), 0.0]
 
 
+def last_human_gap(state: SessionState, now: float, tracker: SessionTracker) -> list[float]:
+    """log1p of the previous gap a human ended, and 1 if there was none: the strongest
+    single sign of the next human wait (tool gaps, seconds long, would drown it)."""
+    if not state.human_gaps:
+        return [0.0, 1.0]
+    return [math.log1p(state.human_gaps[-1]), 0.0]
+
+
+def mean_log_human_gap(state: SessionState, now: float, tracker: SessionTracker) -> list[float]:
+    return [_mean_log(state.human_gaps)]
+
+
+def user_human_history(
+    state: SessionState, now: float, tracker: SessionTracker
+) -> list[float]:
+    """Mean log human gap over the user's sessions, and 1 if there is none."""
+    gaps = tracker.user_human_gaps(state.user)
+    return [_mean_log(gaps), 0.0 if gaps else 1.0]
+
+
 def mean_log_gap(state: SessionState, now: float, tracker: SessionTracker) -> list[float]:
     return [_mean_log(state.gaps)]
 
@@ -123,10 +143,13 @@ FEATURES: list[tuple[str, int, Feature]] = [
     ("context_tokens", 1, context_tokens),
     ("new_tokens", 1, new_tokens),
     ("last_gap", 2, last_gap),
+    ("last_human_gap", 2, last_human_gap),
+    ("mean_log_human_gap", 1, mean_log_human_gap),
     ("mean_log_gap", 1, mean_log_gap),
     ("long_gaps", 1, long_gaps),
     ("gap_count", 1, gap_count),
     ("user_history", 3, user_history),
+    ("user_human_history", 2, user_human_history),
     ("trigger", len(Trigger), trigger),
     ("tool_running", 1, tool_running),
 ]

@@ -63,6 +63,24 @@ class _Open:
     features: np.ndarray
     last_gap: float | None  # the session's previous gap at idle, for the last-gap baseline
     unknown: list[bool]  # per horizon: label not known yet
+    tool: bool = False  # idle while a tool runs: forecast by ``_ToolReturns``, not the model
+
+
+class _ToolReturns:
+    """How often a session idle while its tool runs was back within each horizon so far
+    (Laplace-smoothed, from a prior of nearly always): a tool's result comes back in
+    seconds whoever the user is, so the model need not spend itself learning that."""
+
+    def __init__(self, horizons: Sequence[float]) -> None:
+        self.within = [9.0] * len(horizons)  # a prior of 9 in 10, worth 10 periods
+        self.known = [10.0] * len(horizons)
+
+    def predict(self) -> tuple[float, ...]:
+        return tuple(w / n for w, n in zip(self.within, self.known, strict=True))
+
+    def learn(self, k: int, label: int) -> None:
+        self.within[k] += label
+        self.known[k] += 1
 
 
 class OnlineLearner:
@@ -100,6 +118,7 @@ class OnlineLearner:
         # then, so the heap holds at most the forecasts of the last (largest horizon) seconds.
         self._deadlines: list[tuple[float, int, int, _Open]] = []
         self._sequence = 0
+        self._tools = _ToolReturns(model.horizons)
 
     def observe(
         self,
@@ -123,9 +142,12 @@ class OnlineLearner:
         return None if state.active else self.on_idle(state, event.time)
 
     def on_idle(self, state: SessionState, now: float) -> ReturnForecast:
-        """Forecast ``state``'s return; its labels are learnt as they become known."""
+        """Forecast ``state``'s return; its labels are learnt as they become known. A session
+        idle while its tool runs is forecast from how soon tools came back so far; the
+        model forecasts, and learns from, the waits a human ends."""
         features = feature_vector(state, now, self.tracker)
-        probabilities = self.model.predict(features)
+        tool = state.tool_running
+        probabilities = self._tools.predict() if tool else self.model.predict(features)
         forecast = ReturnForecast(
             session=state.session,
             at=now,
@@ -137,6 +159,7 @@ class OnlineLearner:
             features=features,
             last_gap=state.gaps[-1] if state.gaps else None,
             unknown=[True] * len(forecast.horizons),
+            tool=tool,
         )
         self._open[state.session] = entry
         for k, horizon in enumerate(forecast.horizons):
@@ -187,20 +210,25 @@ class OnlineLearner:
         """Score, then learn from, a batch of newly known labels: one optimiser step."""
         if not labels:
             return
-        rows: dict[_Open, int] = {}  # entry -> its row in the batch
+        rows: dict[_Open, int] = {}  # entry -> its row in the batch (model entries only)
         for entry, _, _ in labels:
-            rows.setdefault(entry, len(rows))
+            if not entry.tool:
+                rows.setdefault(entry, len(rows))
         shape = (len(rows), len(self.model.horizons))
         targets = np.zeros(shape, dtype=np.float32)
         mask = np.zeros(shape, dtype=bool)
         for entry, k, label in labels:
             entry.unknown[k] = False
-            row = rows[entry]
-            targets[row, k] = label
-            mask[row, k] = True
+            if entry.tool:
+                self._tools.learn(k, label)
+            else:
+                row = rows[entry]
+                targets[row, k] = label
+                mask[row, k] = True
             if self.scores is not None:
                 forecast = entry.forecast
                 self.scores.record(
                     forecast.horizons[k], forecast.probabilities[k], label, entry.last_gap
                 )
-        self.model.update(np.stack([entry.features for entry in rows]), targets, mask)
+        if rows:
+            self.model.update(np.stack([entry.features for entry in rows]), targets, mask)

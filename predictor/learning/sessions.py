@@ -40,7 +40,9 @@ USER_HISTORY = 512
 class SessionState:
     """What the tracker knows about one session. Owned and mutated by ``SessionTracker`` only.
 
-    ``gaps`` holds every completed idle gap of the session (oldest first); a
+    ``gaps`` holds every completed idle gap of the session (oldest first), and
+    ``human_gaps`` those a human ended (a tool's result comes back in seconds, a
+    human in minutes to hours: mixed, the two say little about either); a
     session rarely has more than a few hundred requests (TraceLab p99: 137),
     and the tracker's owner calls ``forget`` when a session ends.
     """
@@ -52,6 +54,7 @@ class SessionState:
     running: int = 0
     idle_since: float | None = None
     gaps: list[float] = field(default_factory=list)
+    human_gaps: list[float] = field(default_factory=list)
     last_trigger: Trigger | None = None
     new_tokens: int = 0  # prompt tokens of the latest request beyond the previous context
     last_steps: int = 0
@@ -73,6 +76,7 @@ class SessionTracker:
     def __init__(self) -> None:
         self._sessions: dict[str, SessionState] = {}
         self._user_gaps: dict[str, deque[float]] = {}
+        self._user_human_gaps: dict[str, deque[float]] = {}
         # last key of a chain -> sessions whose chain ends there, most recent last
         self._by_tail: dict[ChunkKey, dict[str, None]] = {}
 
@@ -95,6 +99,13 @@ class SessionTracker:
         if state.running == 0 and state.idle_since is not None:
             gap = max(0.0, event.time - state.idle_since)
             state.gaps.append(gap)
+            if event.trigger is Trigger.USER:
+                state.human_gaps.append(gap)
+                if state.user is not None:
+                    humans = self._user_human_gaps.setdefault(
+                        state.user, deque(maxlen=USER_HISTORY)
+                    )
+                    humans.append(gap)
             if state.user is not None:
                 history = self._user_gaps.setdefault(state.user, deque(maxlen=USER_HISTORY))
                 history.append(gap)
@@ -144,6 +155,12 @@ class SessionTracker:
     def idle(self) -> list[SessionState]:
         """Sessions with no running request that have finished at least one."""
         return [s for s in self._sessions.values() if s.running == 0 and s.idle_since is not None]
+
+    def user_human_gaps(self, user: str | None) -> Sequence[float]:
+        """The last ``USER_HISTORY`` gaps of ``user`` that a human ended, oldest first."""
+        if user is None:
+            return ()
+        return self._user_human_gaps.get(user, ())
 
     def user_gaps(self, user: str | None) -> Sequence[float]:
         """The last ``USER_HISTORY`` idle gaps of ``user`` over all its sessions, oldest first."""

@@ -174,7 +174,7 @@ def _replay(args: argparse.Namespace) -> int:
         },
         kv_bytes_per_token=args.kv_bytes_per_token,
     )
-    progress = None if args.no_progress else _progress
+    progress = None if args.no_progress else _Progress()
     with _redis(args.redis_gb) as redis_url:
         config = ReplayConfig(
             sizing=Sizing(args.hbm_gb, args.dram_gb, args.ssd_gb, args.redis_gb),
@@ -232,12 +232,24 @@ def _redis(redis_gb: float | None) -> Iterator[str | None]:
         yield server.url
 
 
-def _progress(policy: str, done: int, total: int) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    bar = "#" * filled + "-" * (width - filled)
-    end = "\n" if done >= total else ""
-    print(f"\r{policy:>10} [{bar}] {done}/{total} requests", end=end, file=sys.stderr, flush=True)
+class _Progress:
+    """One line on stderr for every policy under way at once: its share of calls done."""
+
+    def __init__(self) -> None:
+        self.shares: dict[str, float] = {}
+        self.line = ""
+
+    def __call__(self, policy: str, done: int, total: int) -> None:
+        self.shares[policy] = done / max(total, 1)
+        line = "  ".join(f"{name} {100 * share:3.0f}%" for name, share in self.shares.items())
+        if line == self.line:
+            return
+        self.line = line
+        finished = all(share >= 1.0 for share in self.shares.values())
+        print(f"\r{line}", end="\n" if finished else "", file=sys.stderr, flush=True)
+        if finished:  # a sweep's next run starts a line of its own
+            self.shares.clear()
+            self.line = ""
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -45,7 +45,9 @@ import heapq
 import itertools
 import math
 import multiprocessing
+import queue
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -454,7 +456,7 @@ class _Run:
             handler(time)
             if progress is not None and order == _Order.FINISH and self._done % every == 0:
                 progress(self.spec.name, self._done, int(self._total))
-        if progress is not None:
+        if progress is not None and self._done % every:  # the last report, if not made
             progress(self.spec.name, self._done, int(self._total))
         self._close()
         return self.result
@@ -714,11 +716,23 @@ class _Run:
 
 
 def _replay_one(
-    workload: Workload, spec: PolicySpec, config: ReplayConfig, progress: Progress | None
+    workload: Workload, spec: PolicySpec, config: ReplayConfig, reports: Any
 ) -> PolicyResult:
-    """One policy in a worker process: torch on one thread, as the core it has."""
+    """One policy in a worker process: torch on one thread, as the core it has; progress
+    goes back over ``reports`` (a manager's queue; None: none asked for)."""
     torch.set_num_threads(1)
+    progress = None if reports is None else _Reporter(reports)
     return replay_policy(workload, spec, config, progress)
+
+
+class _Reporter:
+    """A worker's ``Progress``: each report put on the parent's queue."""
+
+    def __init__(self, reports: Any) -> None:
+        self.reports = reports
+
+    def __call__(self, policy: str, done: int, total: int) -> None:
+        self.reports.put((policy, done, total))
 
 
 def replay(
@@ -733,14 +747,27 @@ def replay(
     if jobs <= 1 or len(specs) <= 1:
         return [replay_policy(workload, spec, config, progress) for spec in specs]
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context) as pool:
-        runs = [pool.submit(_replay_one, workload, spec, config, None) for spec in specs]
-        results = []
-        for spec, run in zip(specs, runs, strict=True):
-            results.append(run.result())
-            if progress is not None:
-                progress(spec.name, 1, 1)
-        return results
+    with context.Manager() as manager:
+        reports = manager.Queue() if progress is not None else None
+        with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context) as pool:
+            runs = [pool.submit(_replay_one, workload, spec, config, reports) for spec in specs]
+            while not all(run.done() for run in runs):
+                _relay(reports, progress)
+            _relay(reports, progress, wait_s=0.0)
+            return [run.result() for run in runs]
+
+
+def _relay(reports: Any, progress: Progress | None, wait_s: float = 0.5) -> None:
+    """Hand the workers' progress reports to ``progress`` (waiting up to ``wait_s``)."""
+    if reports is None or progress is None:
+        if wait_s:
+            time.sleep(wait_s)
+        return
+    try:
+        while True:
+            progress(*reports.get(timeout=wait_s) if wait_s else reports.get_nowait())
+    except queue.Empty:
+        return
 
 
 __all__ = [

@@ -94,3 +94,28 @@ def test_new_tokens_are_the_prompt_beyond_the_previous_context() -> None:
     assert state.new_tokens == 50  # a short follow-up question
     state = tracker.finished(RequestFinished("s", 1, 10, 3260, False, 0, 0, 61.0))
     assert by_name(state, 61.0, tracker)["new_tokens"] == pytest.approx(math.log(51.0))
+
+
+def test_human_gaps_are_kept_apart_from_tool_gaps() -> None:
+    tracker = SessionTracker()
+    moments = [(0.0, Trigger.USER), (300.0, Trigger.USER), (305.0, Trigger.TOOL)]
+    for at, trigger in moments:
+        tracker.started(RequestStarted("s", trigger, 10, 0, at), user="u")
+        tracker.finished(RequestFinished("s", 1, 5, 15, False, 0, 0, at + 1.0))
+    state = tracker.get("s")
+    assert state is not None
+    assert state.gaps == [299.0, 4.0] and state.human_gaps == [299.0]
+    f = by_name(state, 306.0, tracker)
+    assert f["last_gap[0]"] == pytest.approx(math.log1p(4.0))  # the tool's
+    assert f["last_human_gap[0]"] == pytest.approx(math.log1p(299.0))
+    assert f["last_human_gap[1]"] == 0.0
+    assert f["mean_log_human_gap"] == pytest.approx(math.log1p(299.0))
+    assert (f["user_human_history[0]"], f["user_human_history[1]"]) == (
+        pytest.approx(math.log1p(299.0)),
+        0.0,
+    )
+    fresh = SessionTracker()
+    fresh.started(RequestStarted("n", Trigger.USER, 10, 0, 0.0))
+    new = fresh.finished(RequestFinished("n", 1, 5, 15, False, 0, 0, 1.0))
+    g = by_name(new, 2.0, fresh)
+    assert (g["last_human_gap[1]"], g["user_human_history[1]"]) == (1.0, 1.0)  # none yet

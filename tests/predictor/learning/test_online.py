@@ -105,6 +105,19 @@ def test_return_after_90s_labels_0_at_1min_and_1_beyond_in_one_step() -> None:
     assert len(model.batches) == 1
 
 
+def test_a_session_idle_while_its_tool_runs_is_forecast_from_tool_returns() -> None:
+    online, model, scores = learner()
+    before = online.observe(finish("t", 0.0, tool=True))
+    assert before is not None and before.probabilities == (0.9, 0.9, 0.9)  # the prior
+    online.observe(start("t", 3.0, Trigger.TOOL))  # back in 3 s: within every horizon
+    after = online.observe(finish("t", 4.0, tool=True))
+    assert after is not None and after.probabilities == (10 / 11, 10 / 11, 10 / 11)
+    assert model.batches == []  # the model learns from the waits a human ends only
+    assert scores.report()["n"] == {"60": 1, "600": 1, "3600": 1}  # yet every one is scored
+    human = online.observe(finish("h", 5.0))
+    assert human is not None and human.probabilities != after.probabilities
+
+
 def test_passing_horizon_is_labelled_0_then_the_return_labels_the_rest() -> None:
     online, model, scores = learner()
     online.observe(start("s", 0.0))
