@@ -61,5 +61,6 @@ class AsyncTieredStore(AsyncClosing):
     unpin = threaded(TieredStore.unpin)
     scrub = threaded(TieredStore.scrub)
     flush = threaded(TieredStore.flush)
+    write_back = threaded(TieredStore.write_back)
     stats = threaded(TieredStore.stats)
     close = threaded(TieredStore.close)

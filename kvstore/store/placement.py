@@ -324,7 +324,7 @@ class Placement:
             if lower is not None and lower not in meta.sizes:
                 moving.setdefault((lower, meta.namespace), []).append((key, meta))
         for (lower, namespace), items in moving.items():
-            self._write_back(kind, lower, namespace, items)
+            self.copy_down(kind, lower, namespace, items)
         for namespace, keys in leaving.items():
             self.tiers[kind].delete_many(namespace, keys)
         counters = self._stats.tier(kind)
@@ -336,14 +336,15 @@ class Placement:
             else:
                 counters.evictions += 1
 
-    def _write_back(
+    def copy_down(
         self,
         kind: TierKind,
         lower: TierKind,
         namespace: bytes,
         items: Sequence[tuple[ChunkKey, BlockMeta]],
     ) -> None:
-        """Copy ``items`` of tier ``kind`` into tier ``lower``, framed for its codec."""
+        """Copy ``items`` of tier ``kind`` into tier ``lower``, framed for its codec (the
+        copy in ``kind`` stays: an eviction's write-back, or an early one)."""
         keys = [key for key, _ in items]
         buffers = self.tiers[kind].get_many(namespace, keys) or [None] * len(keys)
         admissions = []

@@ -39,6 +39,7 @@ from kvstore.store.closing import Closing
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
 from kvstore.store.eviction import EvictionPolicy
+from kvstore.store.index import BlockMeta
 from kvstore.store.maintenance import Maintenance
 from kvstore.store.placement import Admission
 from kvstore.store.stats import StoreStats
@@ -247,6 +248,34 @@ class TieredStore(Closing):
                 admissions.append(Admission(key, block, meta.parent))
             placement.admit(target, namespace.digest, admissions, protect=frozenset(keys))
             return placement.count_promotions(admissions, target)
+
+    def write_back(self, namespace: Namespace, keys: Sequence[ChunkKey], to: TierKind) -> int:
+        """Copy each key held only in tiers faster than ``to`` into ``to`` (or the first
+        configured tier below it), keeping the fast copy; how many were written.
+
+        A block copied down early leaves its fast tier without a write when it is
+        evicted: a policy that expects to give a tier up soon does this while nobody
+        waits, rather than on the clock of the request that needs the room."""
+        placement = self.core.placement
+        target = next((kind for kind in placement.order if kind >= to), None)
+        if target is None:
+            return 0
+        keys = list(keys)
+        with self.core.lock:
+            self.core.check_open()
+            by_tier: dict[TierKind, list[tuple[ChunkKey, BlockMeta]]] = {}
+            for key in keys:
+                meta = self.core.index.get(key)
+                if meta is None or meta.namespace != namespace.digest or target in meta.sizes:
+                    continue
+                fastest = meta.fastest
+                if fastest is not None and fastest < target:
+                    by_tier.setdefault(fastest, []).append((key, meta))
+            for kind, items in by_tier.items():
+                placement.copy_down(kind, target, namespace.digest, items)
+            return sum(
+                1 for items in by_tier.values() for _, meta in items if target in meta.sizes
+            )
 
     def pin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
         """Protect keys from eviction until ``unpin``; returns how many were found."""

@@ -360,7 +360,7 @@ class PlacementPolicy:
                 (
                     kind
                     for kind in order
-                    if self._chance(session, self.config.horizon(kind), now)
+                    if self._chance(session, self.stay(kind), now)
                     >= self.config.keep_at(kind)
                 ),
                 None,
@@ -390,6 +390,11 @@ class PlacementPolicy:
                 placed = target
             elif placed > level:
                 self._demote(store, namespace, session.name, placed)
+            if target is not None and target > placed:
+                # Kept faster than its target only while there is room: copy it down now,
+                # while nobody waits, so the eviction that comes when someone needs the
+                # room writes nothing on that request's clock.
+                self._write_down(store, namespace, session.name, placed, target)
         if self._level(session.name) is None:
             del self._sessions[session.name]  # nothing left to place
         else:
@@ -457,6 +462,19 @@ class PlacementPolicy:
         self._moving = set(owned)
         try:
             self.demoted += store.demote(namespace, list(owned), to=to)
+        finally:
+            self._moving = set()
+
+    def _write_down(
+        self, store: TieredStore, namespace: Namespace, name: str, placed: TierKind, to: TierKind
+    ) -> None:
+        """Copy the blocks session ``name`` owns in ``placed`` into ``to``, keeping them."""
+        owned = list(self._tiers[placed].blocks.get(name, ()))
+        if not owned:
+            return
+        self._moving = set(owned)
+        try:
+            store.write_back(namespace, owned, to=to)
         finally:
             self._moving = set()
 

@@ -6,7 +6,7 @@
                    [--users N | --rate PER_HOUR] [--seed S] [--warm-prefix]
                    [--policy lru,ttl:60,ttl:300,ttl:600,predictor,oracle]
                    --hbm-gb X --dram-gb Y --ssd-gb Z [--redis-gb W]
-                   [--max-running N] [--chunk-blocks N] [--jobs N]
+                   [--max-running N] [--gpus N] [--chunk-blocks N] [--jobs N]
                    [--kv-bytes-per-token N] [--recompute-tokens-per-s R]
                    [--max-requests N] [--model FILE] [--json] [--plot DIR]
     kvstore train-predictor TRACE... [--format ...] --out FILE
@@ -65,6 +65,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     replay.add_argument(
         "--max-running", type=int, default=DEFAULT_MAX_RUNNING,
         help=f"requests in the engine's batch at once (default {DEFAULT_MAX_RUNNING})",
+    )  # fmt: skip
+    replay.add_argument(
+        "--gpus", type=int, default=1,
+        help="GPUs prefilling (each one prefill at a time); --hbm-gb is all of theirs",
     )  # fmt: skip
     replay.add_argument(
         "--chunk-blocks", type=int,
@@ -180,7 +184,7 @@ def _replay(args: argparse.Namespace) -> int:
             sizing=Sizing(args.hbm_gb, args.dram_gb, args.ssd_gb, args.redis_gb),
             kv_bytes_per_token=args.kv_bytes_per_token,
             costs=costs,
-            engine=EngineModel(max_running=args.max_running),
+            engine=EngineModel(max_running=args.max_running, gpus=args.gpus),
             chunk_blocks=args.chunk_blocks or chunk_blocks_for(workload.block_tokens),
             tick_s=args.tick,
             max_requests=args.max_requests,

@@ -28,6 +28,7 @@ Defaults model Llama-3.1-8B in bf16 on one H200: ~100 GB of its 141 GB for KV.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 DEFAULT_MAX_RUNNING = 64
@@ -36,10 +37,13 @@ DEFAULT_MAX_RUNNING = 64
 
 @dataclass(frozen=True)
 class EngineModel:
-    """The engine's bounds: requests in the batch at once, and the HBM for KV is the HBM
-    tier (``Sizing.hbm_gb``)."""
+    """The engine's bounds: how many GPUs prefill (each one prefill at a time), requests in
+    each GPU's batch at once; the HBM for KV of all of them is the HBM tier
+    (``Sizing.hbm_gb``). One GPU by default: a request trace recorded on a cluster
+    (Mooncake's) needs as many as it kept busy, or its prefills queue without end."""
 
     max_running: int = DEFAULT_MAX_RUNNING
+    gpus: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +77,15 @@ class RequestCost:
 
 
 class PrefillQueue:
-    """The GPU's prefills, one after another: ``start`` says when one that is ready at
-    ``ready`` and computes for ``seconds`` begins."""
+    """The GPUs' prefills, one after another on each: ``start`` says when one that is ready
+    at ``ready`` and computes for ``seconds`` begins, on the GPU free first."""
 
-    def __init__(self) -> None:
-        self.free_at = 0.0  # when the prefill running now ends
+    def __init__(self, gpus: int = 1) -> None:
+        self.free_at = [0.0] * gpus  # a heap: when each GPU's current prefill ends
 
     def start(self, ready: float, seconds: float) -> float:
-        begin = max(ready, self.free_at)
-        self.free_at = begin + seconds
+        begin = max(ready, self.free_at[0])
+        heapq.heapreplace(self.free_at, begin + seconds)
         return begin
 
 

@@ -177,6 +177,7 @@ def summarize(
             "recompute_tokens_per_s": config.costs.recompute_tokens_per_s,
             "reload_bytes_per_s": {kind.label: config.costs.bytes_per_s(kind) for kind in TierKind},
             "max_running": config.engine.max_running,
+            "gpus": config.engine.gpus,
             "closed_loop": workload.closed_loop,
             "lanes": len(workload.lanes),
             "tick_s": config.tick_s,

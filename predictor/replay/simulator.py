@@ -420,9 +420,10 @@ class _Run:
         self.payload = bytes(self.namespace.layout.chunk_nbytes)
         self.block_bytes = HEADER_BYTES + self.namespace.layout.chunk_nbytes
         hbm_slots = config.sizing.slots(TierKind.HBM, chunk_tokens, config.kv_bytes_per_token)
-        self.admission = Admission(hbm_slots, config.engine.max_running)
+        engine = config.engine
+        self.admission = Admission(hbm_slots, engine.max_running * engine.gpus)
         self.arena_slot = stand_in_capacity(TierKind.HBM, 1, self.namespace.layout)
-        self.gpu = PrefillQueue()
+        self.gpu = PrefillQueue(engine.gpus)
         self.waiting: list[_Request] = []  # arrival order
         self.result = PolicyResult(spec.name, spec.baseline)
         self.periods: list[IdlePeriod] = []

@@ -25,7 +25,7 @@ FACES: list[tuple[type, type]] = [
     (AsyncEmbeddedClient, AsyncKVClientAPI),
 ]
 # Operations of the embedded store beyond the data path, which its awaitable face mirrors.
-STORE_OPERATIONS = ("demote", "promote", "pin", "unpin", "scrub", "flush")
+STORE_OPERATIONS = ("demote", "promote", "write_back", "pin", "unpin", "scrub", "flush")
 
 
 def members(api: type) -> list[str]:

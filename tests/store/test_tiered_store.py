@@ -551,3 +551,20 @@ def test_locate_reports_every_key_not_only_the_leading_run(two_level: TieredStor
     assert two_level.locate(ns, keys) == [None, DRAM, SSD]
     assert two_level.lookup(ns, keys).num_chunks == 0
     assert two_level.stats().lookups == 1  # locate is not counted as a lookup
+
+
+def test_write_back_copies_down_and_keeps_the_fast_copy(tmp_path: Path) -> None:
+    ns = kv.namespace()
+    config = kv.config(kv.hbm(4), kv.dram(8), kv.ssd(tmp_path / "lmdb"))
+    with TieredStore(config) as store:
+        tokens = kv.tokens(3)
+        store.put(ns, tokens, kv.chunks(3))
+        keys = store.keys_for(ns, tokens)
+        assert store.write_back(ns, keys, to=TierKind.DRAM) == 3
+        assert store.write_back(ns, keys, to=TierKind.DRAM) == 0  # held there already
+        index = store.core.index
+        assert all(set(index.get(key).sizes) == {TierKind.HBM, TierKind.DRAM} for key in keys)  # type: ignore[union-attr]
+        written = store.stats().tier(TierKind.DRAM).bytes_written
+        store.demote(ns, keys)  # leaving HBM now writes nothing: DRAM holds them
+        assert store.stats().tier(TierKind.DRAM).bytes_written == written
+        assert store.lookup(ns, tokens).tiers == (TierKind.DRAM,) * 3

@@ -120,6 +120,8 @@ def test_prefills_wait_for_the_gpu_one_after_another() -> None:
     assert queue.start(0.0, 2.0) == 0.0
     assert queue.start(1.0, 2.0) == 2.0  # ready at 1 s, the GPU is busy until 2 s
     assert queue.start(10.0, 1.0) == 10.0
+    two = PrefillQueue(gpus=2)
+    assert [two.start(0.0, 2.0), two.start(0.0, 2.0), two.start(0.0, 2.0)] == [0.0, 0.0, 2.0]
     lanes = tuple(
         Lane(f"u{i}", 0.0, (Script(f"s{i}", f"u{i}", (call(f"s{i}", 35, human=True),)),))
         for i in range(2)
