@@ -4,11 +4,12 @@
 
     kvstore replay PATH... [--format mooncake|tracelab|kv-cache-tester]
                    [--users N | --rate PER_HOUR] [--seed S] [--warm-prefix]
-                   [--policy lru,ttl:60,ttl:300,ttl:600,predictor,oracle]
+                   [--policy lru,ttl:60,...,predictor,oracle,bound]
                    --hbm-gb X --dram-gb Y --ssd-gb Z [--redis-gb W]
                    [--max-running N] [--gpus N] [--chunk-blocks N] [--jobs N]
                    [--kv-bytes-per-token N] [--recompute-tokens-per-s R]
                    [--max-requests N] [--model FILE] [--json] [--plot DIR]
+                   [--sweep-users N,N,...] [--sweep-hbm GB,GB,...]
     kvstore train-predictor TRACE... [--format ...] --out FILE
 
 ``kvstore.cli`` registers them (``add_commands``) and hands the parsed
@@ -19,19 +20,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.predictor.replay.engine import DEFAULT_MAX_RUNNING
 from kvstore.predictor.replay.traces import TraceFormat
 from kvstore.predictor.replay.workload import DEFAULT_USERS
 from kvstore.store.config import CostModel
 from kvstore.tiers.kinds import TierKind
+
+if TYPE_CHECKING:
+    from kvstore.predictor.replay.policies import PolicySpec
+    from kvstore.predictor.replay.simulator import PolicyResult, Progress, ReplayConfig
+    from kvstore.predictor.replay.workload import Workload
+
+N = TypeVar("N", int, float)
+
+DEFAULT_POLICIES = "lru,ttl:60,ttl:300,ttl:600,tool-aware,prev-gap,lognormal,predictor,oracle,bound"
 
 COMMANDS = ("replay", "train-predictor")
 
@@ -80,8 +90,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     replay.add_argument(
         "--policy",
-        default="lru,ttl:60,ttl:300,ttl:600,predictor,oracle",
-        help="comma-separated: lru, ttl:SECONDS, predictor, oracle (default: all six)",
+        default=DEFAULT_POLICIES,
+        help="comma-separated: lru, ttl:SECONDS, tool-aware, prev-gap, lognormal, predictor, "
+        f"oracle[:AUC], bound (default {DEFAULT_POLICIES})",
     )
     replay.add_argument("--hbm-gb", type=float, required=True, help="HBM tier, GB of KV")
     replay.add_argument("--dram-gb", type=float, required=True, help="DRAM tier, GB of KV")
@@ -120,10 +131,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots to DIR")
     replay.add_argument(
-        "--sweep-hbm",
-        help="HBM sizes (GB, comma-separated) for the hit-rate-vs-HBM plot "
-        "(default with --plot: half and double --hbm-gb)",
-    )
+        "--sweep-users", metavar="N,N,...",
+        help="conversations: replay every policy again for each of these user counts "
+        "(the grid's rows; JSON \"sweep\", plot sweep.png)",
+    )  # fmt: skip
+    replay.add_argument(
+        "--sweep-hbm", metavar="GB,GB,...",
+        help="replay every policy again at each of these HBM sizes (the grid's columns)",
+    )  # fmt: skip
     replay.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     train = commands.add_parser(
@@ -171,6 +186,12 @@ def _replay(args: argparse.Namespace) -> int:
         warm_prefix=args.warm_prefix,
     )
     specs = parse_policies(args.policy)
+    if args.sweep_users and not workload.closed_loop:
+        raise ConfigError("--sweep-users is for conversations")
+    grid = (
+        _numbers(args.sweep_users, int) if args.sweep_users else [args.users or DEFAULT_USERS],
+        _numbers(args.sweep_hbm, float) if args.sweep_hbm else [args.hbm_gb],
+    )
     costs = CostModel(
         recompute_tokens_per_s=args.recompute_tokens_per_s,
         reload_bytes_per_s={
@@ -196,31 +217,77 @@ def _replay(args: argparse.Namespace) -> int:
         replayed = [spec for spec in specs if spec.kind is not PolicyKind.BOUND]
         bound = offline_bound(workload, config) if len(replayed) < len(specs) else None
         results = replay(workload, replayed, config, progress, jobs=args.jobs)
+        cells = None
+        if args.sweep_users or args.sweep_hbm:
+            with_bound = bound is not None
+            cells = _sweep(args, grid, workload, results, replayed, config, with_bound, progress)
         horizons = horizons_for(workload, config)
-        report = summarize(workload, results, config, horizons, bound)
-        sweep: dict[float, dict[str, float]] = {}
-        if args.plot is not None:
-            sizes = (
-                [float(x) for x in args.sweep_hbm.split(",") if x.strip()]
-                if args.sweep_hbm
-                else [args.hbm_gb / 2, args.hbm_gb * 2]
-            )
-            sweep[args.hbm_gb] = {r.name: r.hit_rate for r in results}
-            for size in sizes:
-                if size in sweep:
-                    continue
-                sizing = Sizing(size, args.dram_gb, args.ssd_gb, args.redis_gb)
-                sized = dataclasses.replace(config, sizing=sizing)
-                runs = replay(workload, replayed, sized, progress, jobs=args.jobs)
-                sweep[size] = {r.name: r.hit_rate for r in runs}
+        report = summarize(workload, results, config, horizons, bound, cells)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(format_table(report))
     if args.plot is not None:
-        for path in plot(report, results, idle_gaps(workload, config), sweep, args.plot):
+        for path in plot(report, results, idle_gaps(workload, config), args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _sweep(
+    args: argparse.Namespace,
+    grid: tuple[list[int], list[float]],
+    workload: Workload,
+    results: Sequence[PolicyResult],
+    specs: Sequence[PolicySpec],
+    config: ReplayConfig,
+    with_bound: bool,
+    progress: Progress | None,
+) -> list[dict[str, Any]]:
+    """The users x HBM grid (``replay.sweep``); the main run is its cell at ``--users``
+    and ``--hbm-gb``, not replayed again."""
+    from kvstore.predictor.replay.sweep import sweep
+    from kvstore.predictor.replay.workload import load_workload
+
+    main_users = args.users or DEFAULT_USERS
+    by_users = workload.closed_loop and args.rate is None  # else the trace's own arrivals
+    users: list[int | None] = list(grid[0]) if by_users else [None]
+
+    def workload_for(count: int | None) -> Workload:
+        if count is None or count == main_users:
+            return workload
+        return load_workload(
+            args.paths, TraceFormat(args.format) if args.format else None,
+            users=count, seed=args.seed, warm_prefix=args.warm_prefix,
+        )  # fmt: skip
+
+    def done(count: int | None, size: float) -> Sequence[PolicyResult] | None:
+        main = count is None or count == main_users
+        return results if main and size == args.hbm_gb else None
+
+    cells = sweep(
+        workload_for, users, grid[1], specs, config,
+        with_bound=with_bound, progress=progress, jobs=args.jobs, done=done,
+    )  # fmt: skip
+    return [cell.to_dict() for cell in cells]
+
+
+def _numbers(text: str, kind: Callable[[str], N]) -> list[N]:
+    """``"8,16,24"`` -> [8, 16, 24], in order, without duplicates; a clear error otherwise."""
+    values: list[N] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = kind(item)
+        except ValueError:
+            raise ConfigError(f"expected comma-separated numbers, got {text!r}") from None
+        if not value > 0:
+            raise ConfigError(f"sweep values must be positive (got {item!r})")
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise ConfigError(f"no sweep values in {text!r}")
+    return values
 
 
 @contextlib.contextmanager

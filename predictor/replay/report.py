@@ -122,9 +122,10 @@ def summarize(
     config: ReplayConfig,
     horizons: Sequence[float],
     bound: Bound | None = None,
+    sweep: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The whole replay: workload, configuration, every policy, the offline bound, and
-    the comparison."""
+    """The whole replay: workload, configuration, every policy, the offline bound, the
+    comparison, and the users x HBM grid (``replay.sweep``'s cells) when one was run."""
     first = results[0] if results else None
     policies = {result.name: policy_summary(result) for result in results}
     sizing = config.sizing
@@ -188,6 +189,7 @@ def summarize(
         "policies": {**policies, **({"bound": bound.to_dict()} if bound else {})},
         "baselines": baselines_scores,
         "summary": summary,
+        **({"sweep": list(sweep)} if sweep else {}),
     }
     return _clean(report)
 
@@ -291,6 +293,16 @@ def format_table(report: dict[str, Any]) -> str:
                 f"predictor closes {pct(summary['predictor_gap_closed'])} of the gap "
                 "from the best baseline to the oracle"
             )
+    if report.get("sweep"):
+        out += ["", "sweep (users x HBM): predictor vs the best baseline of each cell"]
+        for cell in report["sweep"]:
+            users = "trace" if cell["users"] is None else f"{cell['users']} users"
+            out.append(
+                f"  {users:>9}, HBM {cell['hbm_gb']:g} GB: {cell['verdict'] or '-'} "
+                f"(saves {pct(cell['predictor_saves_vs_best_baseline'])} against "
+                f"{cell['best_baseline']}; the bound is "
+                f"{pct(cell['bound_below_best_baseline'])} below it)"
+            )
     return "\n".join(out)
 
 
@@ -298,11 +310,11 @@ def plot(
     report: dict[str, Any],
     results: Sequence[PolicyResult],
     gaps: Sequence[float],
-    sweep: dict[float, dict[str, float]],
     directory: Path,
 ) -> list[Path]:
-    """PNGs: hit rate and GPU-seconds per policy, hit rate against HBM capacity, the
-    trace's idle-gap CDF, the predictor's calibration. Returns the files written."""
+    """PNGs: hit rate and GPU-seconds per policy, the users x HBM sweep when there is
+    one, the trace's idle-gap CDF, the predictor's calibration. Returns the files
+    written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -329,20 +341,8 @@ def plot(
     figure.suptitle(report["trace"])
     save(figure, "policies.png")
 
-    if sweep:
-        figure, axis = plt.subplots(figsize=(6, 4))
-        capacities = sorted(sweep)
-        for name in names:
-            axis.plot(
-                capacities,
-                [100 * sweep[c].get(name, math.nan) for c in capacities],
-                marker="o",
-                label=name,
-            )
-        axis.set_xlabel("HBM capacity (GB)")
-        axis.set_ylabel("token hit rate (%)")
-        axis.legend()
-        save(figure, "hit_rate_vs_hbm.png")
+    if report.get("sweep"):
+        save(_sweep_figure(plt, report["sweep"]), "sweep.png")
 
     if gaps:
         figure, axis = plt.subplots(figsize=(6, 4))
@@ -375,3 +375,32 @@ def plot(
         axis.legend()
         save(figure, "calibration.png")
     return written
+
+
+def _sweep_figure(plt: Any, cells: Sequence[dict[str, Any]]) -> Any:
+    """The sweep as a grid: each cell's colour and first figure is what the predictor
+    saves against that cell's best baseline (negative: it spends more), the second what
+    the offline bound says any policy could; the best baseline's name below them."""
+    users = sorted({c["users"] or 0 for c in cells})
+    sizes = sorted({c["hbm_gb"] for c in cells})
+    grid = np.full((len(users), len(sizes)), np.nan)
+    figure, axis = plt.subplots(figsize=(1.8 * len(sizes) + 2.5, 1.2 * len(users) + 1.8))
+    for cell in cells:
+        row, column = users.index(cell["users"] or 0), sizes.index(cell["hbm_gb"])
+        saves = cell["predictor_saves_vs_best_baseline"]
+        grid[row, column] = math.nan if saves is None else 100 * saves
+        headroom = cell["bound_below_best_baseline"]
+        label = "-" if saves is None else f"{100 * saves:+.1f}%"
+        if headroom is not None:
+            label += f"\nbound {100 * headroom:.0f}%"
+        label += f"\n{cell['best_baseline']}"
+        axis.text(column, row, label, ha="center", va="center", fontsize=8)
+    limit = max(5.0, float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 5.0)
+    image = axis.imshow(grid, cmap="RdYlGn", vmin=-limit, vmax=limit, aspect="auto")
+    figure.colorbar(image, ax=axis, label="predictor saves vs best baseline (%)")
+    axis.set_xticks(range(len(sizes)), [f"{s:g}" for s in sizes])
+    axis.set_yticks(range(len(users)), [str(u or "trace") for u in users])
+    axis.set_xlabel("HBM for KV (GB)")
+    axis.set_ylabel("concurrent users")
+    axis.set_title("GPU-seconds: predictor against the best baseline")
+    return figure

@@ -189,7 +189,7 @@ def test_cli_replay_json_train_and_plots(
     assert report["summary"]["best_baseline"] == "lru"
     assert "predictor_gap_closed" in report["summary"]
     written = {path.name for path in (tmp_path / "plots").iterdir()}
-    assert written == {"policies.png", "hit_rate_vs_hbm.png", "gap_cdf.png", "calibration.png"}
+    assert written == {"policies.png", "gap_cdf.png", "calibration.png"}
 
 
 def test_cli_rejects_an_unknown_policy(

@@ -1,0 +1,126 @@
+"""Where the predictor wins: the same policies replayed over a grid of users x HBM.
+
+One replay answers for one deployment. A grid says where placement matters: with
+HBM for every context or so little that nothing stays, every policy costs the
+same and the offline bound says so (no headroom); in between, the policies part.
+Each cell is a whole replay at that sizing; its verdict compares the predictor
+with the best baseline of the same cell:
+
+    saves = 1 - predictor / best baseline   (GPU-seconds)
+    headroom = 1 - bound / best baseline    (what any policy could still save)
+
+``wins`` when it saves at least ``TIE`` of the best baseline's GPU-seconds, ``loses``
+when it spends that much more, ``ties`` in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.predictor.replay.bound import offline_bound
+from kvstore.predictor.replay.policies import PolicySpec
+from kvstore.predictor.replay.report import policy_summary
+from kvstore.predictor.replay.simulator import PolicyResult, Progress, ReplayConfig, replay
+from kvstore.predictor.replay.workload import Workload
+
+TIE = 0.02
+"""A saving this small either way is a tie: seeds move a cell's ratio by about 1%."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One replay of the grid: ``users`` (``None``: the trace's own arrivals) at ``hbm_gb``."""
+
+    users: int | None
+    hbm_gb: float
+    gpu_seconds: dict[str, float]
+    ttft_p99_human: dict[str, float]
+    bound_gpu_seconds: float | None
+    best_baseline: str | None
+
+    @property
+    def saves(self) -> float | None:
+        """1 - predictor / best baseline (None without both)."""
+        predictor = self.gpu_seconds.get("predictor")
+        if predictor is None or self.best_baseline is None:
+            return None
+        return 1.0 - predictor / self.gpu_seconds[self.best_baseline]
+
+    @property
+    def headroom(self) -> float | None:
+        """1 - bound / best baseline: the most any policy could save here."""
+        if self.bound_gpu_seconds is None or self.best_baseline is None:
+            return None
+        return 1.0 - self.bound_gpu_seconds / self.gpu_seconds[self.best_baseline]
+
+    @property
+    def verdict(self) -> str | None:
+        saves = self.saves
+        if saves is None:
+            return None
+        if saves >= TIE:
+            return "wins"
+        return "loses" if saves <= -TIE else "ties"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "users": self.users,
+            "hbm_gb": self.hbm_gb,
+            "gpu_seconds": self.gpu_seconds,
+            "ttft_p99_human": self.ttft_p99_human,
+            "bound_gpu_seconds": self.bound_gpu_seconds,
+            "best_baseline": self.best_baseline,
+            "predictor_saves_vs_best_baseline": self.saves,
+            "bound_below_best_baseline": self.headroom,
+            "verdict": self.verdict,
+        }
+
+
+def cell_of(
+    users: int | None,
+    hbm_gb: float,
+    results: Sequence[PolicyResult],
+    bound_gpu_seconds: float | None,
+) -> Cell:
+    baselines = [r for r in results if r.baseline]
+    best = min(baselines, key=lambda r: r.gpu_seconds).name if baselines else None
+    return Cell(
+        users,
+        hbm_gb,
+        {r.name: r.gpu_seconds for r in results},
+        {r.name: policy_summary(r)["ttft_p99_human"] for r in results},
+        bound_gpu_seconds,
+        best,
+    )
+
+
+def sweep(
+    workload_for: Callable[[int | None], Workload],
+    users: Sequence[int | None],
+    hbm_gb: Sequence[float],
+    specs: Sequence[PolicySpec],
+    config: ReplayConfig,
+    *,
+    with_bound: bool,
+    progress: Progress | None = None,
+    jobs: int = 1,
+    done: Callable[[int | None, float], Sequence[PolicyResult] | None] = lambda u, h: None,
+) -> list[Cell]:
+    """Replay ``specs`` in every cell of ``users`` x ``hbm_gb`` (``config``'s other sizes).
+    ``done(users, hbm)`` hands back a cell already replayed (the main run), so it is not
+    replayed twice."""
+    cells: list[Cell] = []
+    for count in users:
+        workload = workload_for(count)
+        for size in hbm_gb:
+            sizing = dataclasses.replace(config.sizing, hbm_gb=size)
+            sized = dataclasses.replace(config, sizing=sizing)
+            results = done(count, size)
+            if results is None:
+                results = replay(workload, specs, sized, progress, jobs=jobs)
+            bound = offline_bound(workload, sized).gpu_seconds if with_bound else None
+            cells.append(cell_of(count, size, results, bound))
+    return cells
