@@ -45,6 +45,10 @@ DEFAULT_POLICIES = "lru,ttl:60,ttl:300,ttl:600,tool-aware,prev-gap,lognormal,pre
 
 COMMANDS = ("replay", "train-predictor")
 
+TRAIN_SIZING = {"hbm": 100.0, "dram": 200.0, "ssd": 4000.0}
+"""GB of each tier that serves conversations while the model learns: the closed loop
+times each call by how the one before it was served, so training needs a deployment."""
+
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """Add ``replay`` and ``train-predictor`` to the ``kvstore`` parser."""
@@ -144,10 +148,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train-predictor", help="train the return-time model offline from traces"
     )
-    train.add_argument("traces", type=Path, nargs="+", help="trace files, learnt in order")
-    train.add_argument("--format", choices=["mooncake", "tracelab"], help="default: guessed")
+    train.add_argument(
+        "traces", type=Path, nargs="+", metavar="PATH",
+        help="trace files, learnt in order, or kv-cache-tester conversations (files or a folder)",
+    )  # fmt: skip
+    train.add_argument(
+        "--format", choices=[f.value for f in TraceFormat], help="default: guessed"
+    )
     train.add_argument("--out", type=Path, required=True, help="where to save the model")
     train.add_argument("--hidden", type=int, default=16, help="hidden units (0: logistic)")
+    train.add_argument(
+        "--users", type=int, help="conversations: served to this many users, in a closed loop, "
+        f"through the predictor's replay (default {DEFAULT_USERS})",
+    )  # fmt: skip
+    train.add_argument("--seed", type=int, default=0, help="conversations: shuffle and model")
+    for tier, size in TRAIN_SIZING.items():
+        train.add_argument(
+            f"--{tier}-gb", type=float, default=size,
+            help=f"conversations: {tier} of the deployment that serves them (default {size:g})",
+        )  # fmt: skip
     train.add_argument("--json", action="store_true", help="print the scores as JSON")
 
 
@@ -326,16 +345,22 @@ class _Progress:
 def _train(args: argparse.Namespace) -> int:
     from kvstore.predictor.learning.features import feature_names
     from kvstore.predictor.learning.model import REHEARSAL, ReturnModel
+    from kvstore.predictor.replay.conversations import is_conversations
     from kvstore.predictor.replay.simulator import train
-    from kvstore.predictor.replay.traces import TraceFormat, load_trace
+    from kvstore.predictor.replay.traces import load_trace
 
     trace_format = TraceFormat(args.format) if args.format else None
-    traces = [load_trace(path, trace_format) for path in args.traces]
-    model = ReturnModel(len(feature_names()), hidden=args.hidden, rehearsal=REHEARSAL)
-    scores = train(traces, model)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    model.save(args.out)
-    report = scores.report()
+    if trace_format is TraceFormat.KV_CACHE_TESTER or (
+        trace_format is None and any(is_conversations(path) for path in args.traces)
+    ):
+        report = _train_on_conversations(args)
+    else:
+        traces = [load_trace(path, trace_format) for path in args.traces]
+        model = ReturnModel(len(feature_names()), hidden=args.hidden, rehearsal=REHEARSAL)
+        scores = train(traces, model)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        model.save(args.out)
+        report = scores.report()
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -344,3 +369,26 @@ def _train(args: argparse.Namespace) -> int:
             print(f"{horizon:>6} s  AUC {auc:.3f}  Brier {brier:.3f}")
     print(f"saved {args.out}", file=sys.stderr)
     return 0
+
+
+def _train_on_conversations(args: argparse.Namespace) -> dict[str, Any]:
+    """Serve the conversations under the predictor policy (``replay``) and save the model
+    it learnt: the events a daemon would see, timed by the closed loop. Returns the
+    learner's prequential scores."""
+    from kvstore.predictor.replay.costs import Sizing
+    from kvstore.predictor.replay.policies import parse_policies
+    from kvstore.predictor.replay.simulator import ReplayConfig, chunk_blocks_for, replay
+    from kvstore.predictor.replay.workload import load_workload
+
+    workload = load_workload(
+        args.traces, TraceFormat.KV_CACHE_TESTER, users=args.users, seed=args.seed
+    )
+    config = ReplayConfig(
+        sizing=Sizing(args.hbm_gb, args.dram_gb, args.ssd_gb),
+        chunk_blocks=chunk_blocks_for(workload.block_tokens),
+        model_hidden=args.hidden,
+        model_out=args.out,
+        seed=args.seed,
+    )
+    (result,) = replay(workload, parse_policies("predictor"), config)
+    return result.quality or {}

@@ -55,6 +55,12 @@ from kvstore.wire.events import Trigger
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 
+
+def is_conversations(path: Path) -> bool:
+    """Whether ``path`` is read as kv-cache-tester conversations when no format is given:
+    a folder, or a ``.json`` / ``.json.gz`` file (request traces are JSON Lines)."""
+    return path.is_dir() or path.name.endswith(TRACE_SUFFIXES)
+
 _Json = dict[str, Any]  # one JSON object of a trace file
 
 

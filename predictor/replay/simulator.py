@@ -113,6 +113,11 @@ class ReplayConfig:
     horizons: tuple[float, ...] | None = None
     """The model's horizons; ``None``: those of ``DEFAULT_HORIZONS`` the workload can label."""
     model_path: Path | None = None
+    model_hidden: int = 16
+    """Hidden units of a fresh model (0: logistic regression)."""
+    model_out: Path | None = None
+    """Where to save the predictor's model when its replay ends (``kvstore train-predictor``
+    on conversations: the model a daemon would have learnt serving them)."""
     seed: int = 0
     redis_url: str | None = None
     rehearsal: Rehearsal | None = REHEARSAL
@@ -297,7 +302,9 @@ def _learner(config: ReplayConfig, horizons: tuple[float, ...]) -> OnlineLearner
     else:
         with torch.random.fork_rng():
             torch.manual_seed(config.seed)
-            model = ReturnModel(len(feature_names()), horizons, rehearsal=config.rehearsal)
+            model = ReturnModel(
+                len(feature_names()), horizons, config.model_hidden, rehearsal=config.rehearsal
+            )
     return OnlineLearner(model, tracker, PrequentialScores())
 
 
@@ -694,6 +701,9 @@ class _Run:
             result.demoted_at_idle = self.policy.demoted
         if self.learner is not None and self.learner.scores is not None:
             result.quality = self.learner.scores.report()
+        if self.learner is not None and self.config.model_out is not None:
+            self.config.model_out.parent.mkdir(parents=True, exist_ok=True)
+            self.learner.model.save(self.config.model_out)
         if self.periods:
             result.human, result.calibration = score_periods(
                 self.periods, self.horizons, self._end

@@ -33,11 +33,11 @@ import numpy as np
 
 from kvstore.errors import ConfigError
 from kvstore.predictor.replay.conversations import (
-    TRACE_SUFFIXES,
     Call,
     Conversation,
     Stop,
     Subagents,
+    is_conversations,
     load_conversations,
 )
 from kvstore.predictor.replay.costs import DECODE_TOKENS_PER_S
@@ -218,7 +218,7 @@ def load_workload(
     ``.json``/``.json.gz`` file holds conversations."""
     paths = [Path(path) for path in paths]
     if trace_format is None:
-        conversational = any(p.is_dir() or p.name.endswith(TRACE_SUFFIXES) for p in paths)
+        conversational = any(is_conversations(p) for p in paths)
         trace_format = TraceFormat.KV_CACHE_TESTER if conversational else None
     if trace_format is not TraceFormat.KV_CACHE_TESTER:
         if len(paths) != 1:

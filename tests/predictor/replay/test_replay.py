@@ -37,7 +37,7 @@ from kvstore.predictor.replay.simulator import (
     train,
 )
 from kvstore.predictor.replay.traces import load_trace
-from kvstore.predictor.replay.workload import from_trace
+from kvstore.predictor.replay.workload import from_trace, load_workload
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
@@ -190,6 +190,28 @@ def test_cli_replay_json_train_and_plots(
     assert "predictor_gap_closed" in report["summary"]
     written = {path.name for path in (tmp_path / "plots").iterdir()}
     assert written == {"policies.png", "gap_cdf.png", "calibration.png"}
+
+
+def test_train_predictor_on_conversations_saves_what_the_replay_learnt(
+    conversations: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model.pt"
+    argv = ["train-predictor", str(conversations), "--users", "2", "--out", str(model)]
+    assert main([*argv, "--hidden", "0", "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    trained = ReturnModel.load(model)
+    assert trained.n_features == len(feature_names())
+    assert scores["n"]["60"] > 0  # the learner saw idle periods and labelled them
+    # The same replay with the same seed learns the same scores: what was saved is its model.
+    (run,) = replay(
+        load_workload([conversations], users=2),
+        parse_policies("predictor"),
+        ReplayConfig(Sizing(100.0, 200.0, 4000.0), chunk_blocks=16, model_hidden=0),
+    )
+    assert run.quality is not None and run.quality["auc"] == scores["auc"]
+    argv = ["replay", str(conversations), "--users", "2", "--policy", "predictor"]
+    argv += ["--hbm-gb", "20", "--dram-gb", "10", "--ssd-gb", "1000", "--model", str(model)]
+    assert main([*argv, "--no-progress"]) == 0
 
 
 def test_cli_rejects_an_unknown_policy(
