@@ -3,7 +3,9 @@
 The daemon (``service``) and the replay (``replay.simulator``) feed the same
 components in the same order; this is that order, written once::
 
-    request_started   started()   tracker, learner (labels the open forecast: it returned)
+    request_started   started()   tracker, learner (labels the open forecast: it returned);
+                                  policy.on_forecast for each idle session the learner
+                                  forecast again (its user started this new session)
                       resumed()   policy.on_resume: prefetch the chain, its lookup is next
     request_finished  finished()  tracker, learner (forecast when the session goes idle)
                                   policy.on_idle: keep the chain where it is, or demote it
@@ -65,9 +67,12 @@ class SessionDriver:
         namespace: bytes | None = None,
         user: str | None = None,
     ) -> SessionState:
-        """Record a request start (the learner labels the forecast it ends)."""
+        """Record a request start (the learner labels the forecast it ends, and may
+        forecast other sessions of the user again)."""
         if self.learner is not None:
             self.learner.observe(event, keys, namespace, user)
+            for idle, forecast in self.learner.take_revisions():
+                self.policy.on_forecast(self.store, idle, forecast, event.time)
         else:
             self.tracker.started(event, keys, namespace, user)
         state = self.tracker.get(event.session)

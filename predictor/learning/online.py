@@ -28,6 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.keys import ChunkKey
+from kvstore.predictor.learning.counting import (
+    HumanGapTable,
+    SupersededReturns,
+    ToolReturns,
+    blend,
+)
 from kvstore.predictor.learning.features import feature_vector
 from kvstore.predictor.learning.model import ReturnModel
 from kvstore.predictor.learning.quality import PrequentialScores
@@ -63,24 +69,9 @@ class _Open:
     features: np.ndarray
     last_gap: float | None  # the session's previous gap at idle, for the last-gap baseline
     unknown: list[bool]  # per horizon: label not known yet
-    tool: bool = False  # idle while a tool runs: forecast by ``_ToolReturns``, not the model
-
-
-class _ToolReturns:
-    """How often a session idle while its tool runs was back within each horizon so far
-    (Laplace-smoothed, from a prior of nearly always): a tool's result comes back in
-    seconds whoever the user is, so the model need not spend itself learning that."""
-
-    def __init__(self, horizons: Sequence[float]) -> None:
-        self.within = [9.0] * len(horizons)  # a prior of 9 in 10, worth 10 periods
-        self.known = [10.0] * len(horizons)
-
-    def predict(self) -> tuple[float, ...]:
-        return tuple(w / n for w, n in zip(self.within, self.known, strict=True))
-
-    def learn(self, k: int, label: int) -> None:
-        self.within[k] += label
-        self.known[k] += 1
+    tool: bool = False  # idle while a tool runs: forecast by ``ToolReturns``, not the model
+    gap_bin: int = 0  # its ``HumanGapTable`` bin
+    superseded_at: float | None = None  # when its user started another session
 
 
 class OnlineLearner:
@@ -118,7 +109,17 @@ class OnlineLearner:
         # then, so the heap holds at most the forecasts of the last (largest horizon) seconds.
         self._deadlines: list[tuple[float, int, int, _Open]] = []
         self._sequence = 0
-        self._tools = _ToolReturns(model.horizons)
+        self._tools = ToolReturns(model.horizons)
+        self._gap_table = HumanGapTable(model.horizons)
+        # Keyed by whether the superseded session was waiting on a tool: a parent whose
+        # subagent just started is back when it ends; a session whose user walked away
+        # mid-task, or a trace that stops at a tool call, never is.
+        self._superseded = {
+            tool: SupersededReturns(within=max(model.horizons)) for tool in (False, True)
+        }
+        # (deadline, sequence, forecast): when a superseded session counts as not back.
+        self._superseded_deadlines: list[tuple[float, int, _Open]] = []
+        self._revisions: list[tuple[SessionState, ReturnForecast]] = []
 
     def observe(
         self,
@@ -137,6 +138,8 @@ class OnlineLearner:
             state, gap = self.tracker.started(event, keys, namespace, user)
             if gap is not None:
                 self.on_return(state, gap)
+            if state.requests == 1 and state.user is not None:
+                self._supersede(state, event.time)
             return None
         state = self.tracker.finished(event, keys, namespace)
         return None if state.active else self.on_idle(state, event.time)
@@ -147,7 +150,12 @@ class OnlineLearner:
         model forecasts, and learns from, the waits a human ends."""
         features = feature_vector(state, now, self.tracker)
         tool = state.tool_running
-        probabilities = self._tools.predict() if tool else self.model.predict(features)
+        gap_bin = HumanGapTable.bin(state.human_gaps)
+        if tool:
+            probabilities: Sequence[float] = self._tools.predict()
+        else:
+            model = self.model.predict(features)
+            probabilities = blend(model, self._gap_table.predict(gap_bin)).tolist()
         forecast = ReturnForecast(
             session=state.session,
             at=now,
@@ -160,6 +168,7 @@ class OnlineLearner:
             last_gap=state.gaps[-1] if state.gaps else None,
             unknown=[True] * len(forecast.horizons),
             tool=tool,
+            gap_bin=gap_bin,
         )
         self._open[state.session] = entry
         for k, horizon in enumerate(forecast.horizons):
@@ -172,6 +181,10 @@ class OnlineLearner:
         entry = self._open.pop(state.session, None)
         if entry is None:
             return
+        since = entry.superseded_at
+        counts = self._superseded[entry.tool]
+        if since is not None and entry.forecast.at + gap - since <= counts.within_s:
+            counts.learn(1)  # back in time (later, ``tick`` has counted it 0)
         if self.learn_at_horizon:  # labelled by ``tick`` as each horizon closes
             self._returned[entry] = gap
             return
@@ -196,6 +209,47 @@ class OnlineLearner:
             elif self._open.get(entry.forecast.session) is entry and entry.unknown[k]:
                 labels.append((entry, k, 0))
         self._learn(labels)
+        deadlines = self._superseded_deadlines
+        while deadlines and deadlines[0][0] < now:
+            _, _, entry = heapq.heappop(deadlines)
+            if self._open.get(entry.forecast.session) is entry:  # still idle: not back
+                self._superseded[entry.tool].learn(0)
+
+    def take_revisions(self) -> list[tuple[SessionState, ReturnForecast]]:
+        """Forecasts made again since the last call, for sessions still idle: those whose
+        user started another session (``SupersededReturns``). The driver hands each to
+        the policy."""
+        revisions, self._revisions = self._revisions, []
+        return revisions
+
+    def _supersede(self, started: SessionState, now: float) -> None:
+        """``started`` is a new session of its user: every other idle session of that user
+        is forecast again from now, its forecast read from its idle time so far and scaled
+        by how often superseded sessions came back at all, counted apart for those that
+        were waiting on a tool (a parent whose subagent this may be) and the rest."""
+        for entry in self._open.values():
+            state = self.tracker.get(entry.forecast.session)
+            if (
+                entry.superseded_at is not None
+                or state is None
+                or state.session == started.session
+                or state.user != started.user
+            ):
+                continue
+            entry.superseded_at = now
+            self._sequence += 1
+            counts = self._superseded[entry.tool]
+            deadline = (now + counts.within_s, self._sequence, entry)
+            heapq.heappush(self._superseded_deadlines, deadline)
+            old = entry.forecast
+            elapsed = now - old.at
+            before = old.within(elapsed)
+            rest = max(1.0 - before, 1e-9)
+            conditional = [(old.within(elapsed + h) - before) / rest for h in old.horizons]
+            revised = ReturnForecast(
+                old.session, now, old.horizons, counts.scaled(conditional)
+            )
+            self._revisions.append((state, revised))
 
     def forecast(self, session: str) -> ReturnForecast | None:
         """The forecast made when ``session`` last went idle, while it stays idle."""
@@ -222,6 +276,7 @@ class OnlineLearner:
             if entry.tool:
                 self._tools.learn(k, label)
             else:
+                self._gap_table.learn(entry.gap_bin, k, label)
                 row = rows[entry]
                 targets[row, k] = label
                 mask[row, k] = True

@@ -61,6 +61,11 @@ class LRUBaseline(LRUPolicy):
     def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
         return None
 
+    def on_forecast(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast, now: float
+    ) -> None:
+        return None  # the baselines read no forecasts
+
     def tick(self, store: TieredStore, now: float) -> None:
         return None
 

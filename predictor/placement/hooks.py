@@ -79,6 +79,13 @@ class SessionPolicy(EvictionPolicy, Protocol):
         """A request of ``state`` began: its lookup comes next."""
         ...
 
+    def on_forecast(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast, now: float
+    ) -> None:
+        """``state``, still idle, was forecast again at ``now`` (``forecast.at``): place it by
+        the new forecast from now on."""
+        ...
+
     def tick(self, store: TieredStore, now: float) -> None:
         """Timer: re-place idle sessions as their idle time grows."""
         ...

@@ -135,6 +135,7 @@ class _Session:
     active: bool = False
     idle_since: float = 0.0
     forecast: Forecast | None = None
+    forecast_at: float = 0.0  # when its forecast was made: at idle, or later again
     state: IdleSession | None = None
     target: TierKind | None = None  # the tier its forecast called for at the last look
     levels: tuple[tuple[float, float], ...] = ()  # (horizon, P(back within it)) at idle
@@ -310,15 +311,30 @@ class PlacementPolicy:
         session = self._session(state.session)
         session.active = False
         session.idle_since = now
+        self._forecast(session, forecast, now)
+        session.state = state
+        session.target = None
+        self._link(state.chain)
+        return self._place(store, session, now)
+
+    def on_forecast(
+        self, store: TieredStore, state: IdleSession, forecast: Forecast, now: float
+    ) -> None:
+        """Re-place an idle session by a forecast made again, read from ``now`` on."""
+        self._now, self._store = now, store
+        session = self._sessions.get(state.session)
+        if session is None or session.active:
+            return
+        self._forecast(session, forecast, now)
+        self._place(store, session, now)
+
+    def _forecast(self, session: _Session, forecast: Forecast | None, now: float) -> None:
         session.forecast = forecast
+        session.forecast_at = now
         session.levels = (
             tuple((h, forecast.within(h)) for h in forecast.horizons) if forecast else ()
         )
-        session.state = state
-        session.target = None
         session.epoch += 1
-        self._link(state.chain)
-        return self._place(store, session, now)
 
     def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
         """Prefetch the session's chain into the fastest tier: its lookup is next."""
@@ -421,7 +437,7 @@ class PlacementPolicy:
         """P(back within ``seconds`` from ``now`` | not back yet), from its forecast."""
         if session.forecast is None:
             return 0.0
-        elapsed = max(0.0, now - session.idle_since)
+        elapsed = max(0.0, now - session.forecast_at)
         before = self._within(session, elapsed)
         rest = 1.0 - before
         if rest <= 1e-9:

@@ -11,14 +11,16 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support import kv
 
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.predictor.config import PredictorConfig
+from kvstore.predictor.learning.counting import HumanGapTable, blend
 from kvstore.predictor.learning.features import feature_names
-from kvstore.predictor.learning.model import ReturnModel, default_prior
+from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel, default_prior
 from kvstore.predictor.service import MODEL_FILE, PredictorService, load_model
 from kvstore.store.config import StoreConfig
 from kvstore.store.tiered_store import TieredStore
@@ -122,7 +124,11 @@ def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
             assert store.locate(ns, busy) == [TierKind.DRAM] * 12
             info = service.session("idle")
             assert info is not None and info["chain"]["tiers"] == {"ssd": 8}
-            assert info["forecast"]["p_return"] == pytest.approx([0.01, 0.02, 0.03], abs=1e-6)
+            # The model's 1-3%, blended with the previous-gap table's prior (no gap yet).
+            table = HumanGapTable(DEFAULT_HORIZONS).predict(HumanGapTable.bin(()))
+            expected = blend(np.array([0.01, 0.02, 0.03]), table)
+            assert info["forecast"]["p_return"] == pytest.approx(expected.tolist(), abs=1e-6)
+            assert max(expected) < 0.5  # nobody expected back
             # The human is back: the chain goes up before the engine looks it up.
             await feed(service, [started("idle", T0 + 100)])
             assert store.locate(ns, idle) == [TierKind.DRAM] * 8

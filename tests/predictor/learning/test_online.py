@@ -293,3 +293,69 @@ def positives_at_60s(events: list[SessionEvent], forecasts: list[ReturnForecast]
             starts.setdefault(event.session, []).append(event.time)
     labels = [min(t for t in starts[f.session] if t > f.at) - f.at <= 60.0 for f in forecasts]
     return np.array(labels, dtype=int)
+
+
+def conditional(forecast: ReturnForecast, elapsed: float) -> list[float]:
+    """P(back within h more seconds | not back after ``elapsed``), at each horizon."""
+    before = forecast.within(elapsed)
+    return [(forecast.within(elapsed + h) - before) / (1 - before) for h in forecast.horizons]
+
+
+def test_a_new_session_of_its_user_forecasts_an_idle_session_again() -> None:
+    learner = OnlineLearner(ReturnModel(len(feature_names())), SessionTracker())
+    learner.observe(start("a", 0.0), user="u")
+    learner.observe(finish("a", 10.0))
+    learner.observe(start("x", 0.0), user="v")  # another user's session: untouched
+    learner.observe(finish("x", 10.0))
+    at_idle = learner.forecast("a")
+    assert at_idle is not None
+    learner.observe(start("b", 100.0), user="u")
+    ((state, revised),) = learner.take_revisions()
+    assert state.session == "a" and revised.at == 100.0
+    # Nothing known yet of superseded sessions: half of what it would have been.
+    halves = [0.5 * p for p in conditional(at_idle, 90.0)]
+    assert revised.probabilities == pytest.approx(halves)
+    assert learner.take_revisions() == []
+    assert learner.forecast("a") is at_idle  # scores stay on the forecast made at idle
+    learner.observe(start("b", 120.0), user="u")  # not a new session: supersedes nothing
+    assert learner.take_revisions() == []
+
+
+def test_how_often_superseded_sessions_come_back_is_learnt() -> None:
+    learner = OnlineLearner(ReturnModel(len(feature_names())), SessionTracker())
+    learner.observe(start("a", 0.0), user="u")
+    learner.observe(finish("a", 10.0))
+    learner.observe(start("b", 100.0), user="u")  # supersedes "a", which never returns
+    learner.observe(finish("b", 110.0))
+    learner.take_revisions()
+    learner.tick(100.0 + 3600.0 + 1.0)  # the longest horizon passed: "a" counts as not back
+    learner.observe(start("c", 4000.0), user="u")  # supersedes "b"
+    ((state, revised),) = learner.take_revisions()
+    b = learner.forecast("b")
+    assert state.session == "b" and b is not None
+    thirds = [p / 3 for p in conditional(b, 4000.0 - 110.0)]
+    assert revised.probabilities == pytest.approx(thirds)
+
+
+def test_sessions_waiting_on_a_tool_are_counted_apart() -> None:
+    learner = OnlineLearner(ReturnModel(len(feature_names())), SessionTracker())
+    # A parent hands off to a subagent (its call ended in a tool call) which comes back.
+    learner.observe(start("parent", 0.0), user="u")
+    learner.observe(finish("parent", 10.0, tool=True))
+    learner.observe(start("subagent", 11.0), user="u")
+    ((state, _),) = learner.take_revisions()
+    assert state.session == "parent"
+    learner.observe(finish("subagent", 50.0))
+    learner.observe(start("parent", 60.0), user="u")  # back: one return of a waiting parent
+    learner.observe(finish("parent", 70.0, tool=True))
+    learner.observe(start("subagent-2", 80.0), user="u")
+    revisions = dict((s.session, f) for s, f in learner.take_revisions())
+    parent = learner.forecast("parent")
+    assert set(revisions) == {"parent", "subagent"} and parent is not None
+    twothirds = [2 / 3 * p for p in conditional(parent, 10.0)]
+    assert revisions["parent"].probabilities == pytest.approx(twothirds)
+    # The finished subagent waits for its human, not a tool: that count knows nothing yet.
+    subagent = learner.forecast("subagent")
+    assert subagent is not None
+    halves = [0.5 * p for p in conditional(subagent, 30.0)]
+    assert revisions["subagent"].probabilities == pytest.approx(halves)

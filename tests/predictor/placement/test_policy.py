@@ -238,3 +238,37 @@ def test_prefetch_copies_from_two_tiers_do_not_wait_for_each_other() -> None:
     assert stats.in_flight == {a: (12.0, SSD), b: (14.0, SSD), c: (10.5, DRAM)}
     stats.transfer([(a, SSD)], 13.0, {SSD: 2.0})  # the SSD link is busy until 14
     assert stats.in_flight[a] == (16.0, SSD)
+
+
+def test_a_forecast_made_again_re_places_the_idle_chain(three_tiers: Sessions) -> None:
+    run = three_tiers
+    run.busy(5)
+    state = run.request("a", 0, 3, now=0.0)  # HBM is full now
+    placed = run.policy.on_idle(run.store, state, forecast("a", 1.0, 0.9, 0.95, 0.99), 1.0)
+    assert placed is HBM
+    # Its user started another session: hardly anyone comes back to the old one.
+    run.policy.on_forecast(run.store, state, forecast("a", 30.0, 0.01, 0.02, 0.03), 30.0)
+    assert run.where(0, 3) == [DRAM] * 3
+    # Read from when it was made: at 60 s the new forecast's first minute is not over.
+    run.policy.on_forecast(run.store, state, forecast("a", 60.0, 0.9, 0.95, 0.99), 60.0)
+    assert run.where(0, 3) == [HBM] * 3  # expected back after all: prefetched
+
+
+def test_a_forecast_for_a_session_that_is_not_idle_changes_nothing(
+    three_tiers: Sessions,
+) -> None:
+    run = three_tiers
+    run.busy(5)
+    busy = run.tracker.get("busy")  # the policy heard it start, never go idle
+    assert busy is not None
+    run.policy.on_forecast(run.store, busy, forecast("busy", 5.0, 0.0, 0.0, 0.0), 5.0)
+    assert run.where(5000, 5) == [HBM] * 5
+
+
+def test_the_baselines_read_no_forecast(tmp_path: Path) -> None:
+    run = opened(TTLPolicy(60.0), kv.hbm(8), kv.dram(8), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        state = run.request("a", 0, 3, now=0.0)
+        run.policy.on_idle(store, state, None, 1.0)
+        run.policy.on_forecast(store, state, forecast("a", 5.0, 0.0, 0.0, 0.0), 5.0)
+        assert run.where(0, 3) == [HBM] * 3
