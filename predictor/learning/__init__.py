@@ -6,6 +6,8 @@ The pipeline (docs/predictor_design.md draws it whole)::
                                               online.OnlineLearner: forecast at idle,
                                               label on return or when a horizon passes,
                                               one step per label batch; quality.PrequentialScores
+              counting.py: the counts beside the model (tool returns, the previous-gap
+              table it is blended with, how often superseded sessions come back)
 
 Typical use, one call per event::
 

@@ -27,7 +27,11 @@ pressure: a tier with room (below ``FULL``), or whose next victim ranks below
 the chain, keeps it, as freeing the space would buy nothing yet. It moves down
 to the first tier that keeps it; the last tier always does, and there ranked
 eviction decides, so "SSD within hours, dropped otherwise" is what pressure
-does to a chain nobody expects back. When the target rises above where the chain lies (a step-shaped
+does to a chain nobody expects back. Wherever a chain stays, idle placement copies it one
+tier down (or to its target) while nobody waits: the eviction that comes when someone
+needs the room then writes nothing on that request's clock, and on Mooncake's trace
+that write-back was an eighth of the predictor's GPU-seconds. When the target rises
+above where the chain lies (a step-shaped
 forecast, a tool result on its way), the chain is promoted ahead of the
 return: a prefetch. ``on_resume`` prefetches too: a request-began event means
 the lookup is next. ``prefetches`` counts what became of them.
@@ -406,11 +410,14 @@ class PlacementPolicy:
                 placed = target
             elif placed > level:
                 self._demote(store, namespace, session.name, placed)
+            # Copy the chain down now, while nobody waits, so the eviction that comes when
+            # someone needs the room writes nothing on that request's clock: to its
+            # target when it is kept faster only for the room, else one tier down.
             if target is not None and target > placed:
-                # Kept faster than its target only while there is room: copy it down now,
-                # while nobody waits, so the eviction that comes when someone needs the
-                # room writes nothing on that request's clock.
                 self._write_down(store, namespace, session.name, placed, target)
+            elif placed != order[-1]:
+                below = order[order.index(placed) + 1]
+                self._write_down(store, namespace, session.name, placed, below)
         if self._level(session.name) is None:
             del self._sessions[session.name]  # nothing left to place
         else:

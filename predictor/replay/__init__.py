@@ -1,17 +1,24 @@
-"""Trace replay: drive the real store and policies over request traces on a simulated clock.
+"""Trace replay: drive the real store and policies over a workload on a simulated clock,
+in a modeled engine whose HBM both runs requests and caches KV.
 
 ::
 
-    commands.py   ``kvstore replay`` and ``kvstore train-predictor``
-    traces.py     Mooncake and TraceLab traces as one request list
-    timeline.py   a trace's requests as the session events the replay feeds
-    simulator.py  the event loop: the real TieredStore, the real policies
-    costs.py      the modeled cost of every request (nothing here is timed)
-    policies.py   the policies a replay compares, by their command-line names
-    oracle.py     the true next arrival, sharp or blurred to a chosen AUC
-    training.py   the learner alone over traces (pre-training)
-    ablation.py   what each feature is worth
-    report.py     JSON, table, plots
+    commands.py       ``kvstore replay`` and ``kvstore train-predictor``
+    traces.py         Mooncake and TraceLab request traces
+    conversations.py  kv-cache-tester conversations (human and tool turns, subagents)
+    workload.py       either as lanes of scripts: open loop, or users in a closed loop
+    engine.py         the engine: batch slots, HBM admission, the GPUs' prefill queue
+    simulator.py      the event loop: the real TieredStore, the real policies
+    timeline.py       a request trace as the session events training feeds the learner
+    costs.py          tier sizes and the modeled cost of every request (nothing is timed)
+    policies.py       the policies a replay compares, by their command-line names
+    oracle.py         the true next arrival, sharp or blurred to a chosen AUC
+    bound.py          the offline lower bound on GPU-seconds (MIN per tier)
+    scoring.py        AUC and Brier on the idle periods a human ends, with baselines
+    sweep.py          the same policies over a grid of users x HBM
+    training.py       the learner alone over request traces (pre-training)
+    ablation.py       what each feature is worth
+    report.py         JSON, table, plots
 
 A tool over the whole package: may import anything but the daemon and the client.
 """

@@ -63,6 +63,8 @@ def test_a_likely_soon_return_stays_hot(three_tiers: Sessions) -> None:
     for now in (11.0, 21.0, 31.0, 41.0):
         run.policy.tick(run.store, now)
     assert run.where(0, 3) == [HBM] * 3
+    # Copied down at idle: when someone needs the HBM, evicting it writes nothing.
+    assert run.store.write_back(run.ns, run.keys(0, 3), to=DRAM) == 0
 
 
 def test_a_likely_long_gap_is_demoted_at_once(three_tiers: Sessions) -> None:
