@@ -21,19 +21,18 @@ Redis 4 h) and a keep threshold::
     target(e) = the fastest tier t with P(back within H_t | e) >= keep_t
                 (none: the chain may be dropped)
 
-A chain whose target is slower than where it lies leaves that tier at once,
-when the forecast is made or at a later look, but only under current
-pressure: a tier with room (below ``FULL``), or whose next victim ranks below
-the chain, keeps it, as freeing the space would buy nothing yet. It moves down
-to the first tier that keeps it; the last tier always does, and there ranked
-eviction decides, so "SSD within hours, dropped otherwise" is what pressure
-does to a chain nobody expects back. Wherever a chain stays, idle placement copies it one
-tier down (or to its target) while nobody waits: the eviction that comes when someone
-needs the room then writes nothing on that request's clock, and on Mooncake's trace
-that write-back was an eighth of the predictor's GPU-seconds. When the target rises
-above where the chain lies (a step-shaped
-forecast, a tool result on its way), the chain is promoted ahead of the
-return: a prefetch. ``on_resume`` prefetches too: a request-began event means
+A chain whose target is slower than where it lies leaves that tier at once, when the
+forecast is made or at a later look, but only under current pressure: a tier with
+room (below ``FULL``), or whose next victim ranks below the chain, keeps it, as
+freeing the space would buy nothing yet. It moves down to the first tier that keeps
+it; the last tier always does, and there ranked eviction decides, so "SSD within
+hours, dropped otherwise" is what pressure does to a chain nobody expects back.
+Wherever a chain stays, idle placement copies it one tier down (or to its target)
+while nobody waits: the eviction that comes when someone needs the room then writes
+nothing on that request's clock, and on Mooncake's trace that write-back was an
+eighth of the predictor's GPU-seconds. When the target rises above where the chain
+lies (a step-shaped forecast, a tool result on its way), the chain is promoted ahead
+of the return: a prefetch. ``on_resume`` prefetches too: a request-began event means
 the lookup is next. ``prefetches`` counts what became of them.
 
 A prefetch reads the chain from a slower tier (LMDB, Redis: milliseconds per
