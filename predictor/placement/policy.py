@@ -28,12 +28,14 @@ freeing the space would buy nothing yet. It moves down to the first tier that ke
 it; the last tier always does, and there ranked eviction decides, so "SSD within
 hours, dropped otherwise" is what pressure does to a chain nobody expects back.
 Wherever a chain stays, idle placement copies it one tier down (or to its target)
-while nobody waits: the eviction that comes when someone needs the room then writes
-nothing on that request's clock, and on Mooncake's trace that write-back was an
-eighth of the predictor's GPU-seconds. When the target rises above where the chain
-lies (a step-shaped forecast, a tool result on its way), the chain is promoted ahead
-of the return: a prefetch. ``on_resume`` prefetches too: a request-began event means
-the lookup is next. ``prefetches`` counts what became of them.
+while nobody waits, if that tier has room: the eviction that comes when someone
+needs the room then writes nothing on that request's clock (on Mooncake's trace that
+write-back was an eighth of the predictor's GPU-seconds). In a full tier the copy
+would push out another session's block, and keeping a chain twice costs capacity.
+When the target rises above where the chain lies (a step-shaped forecast, a tool
+result on its way), the chain is promoted ahead of the return: a prefetch.
+``on_resume`` prefetches too: a request-began event means the lookup is next.
+``prefetches`` counts what became of them.
 
 A prefetch reads the chain from a slower tier (LMDB, Redis: milliseconds per
 MiB), and the hooks run under the store's lock. With ``defer_prefetches`` a
@@ -411,12 +413,14 @@ class PlacementPolicy:
                 self._demote(store, namespace, session.name, placed)
             # Copy the chain down now, while nobody waits, so the eviction that comes when
             # someone needs the room writes nothing on that request's clock: to its
-            # target when it is kept faster only for the room, else one tier down.
+            # target when it is kept faster only for the room; else one tier down, if
+            # that tier has room (in a full one the copy would push out someone's block).
             if target is not None and target > placed:
                 self._write_down(store, namespace, session.name, placed, target)
             elif placed != order[-1]:
                 below = order[order.index(placed) + 1]
-                self._write_down(store, namespace, session.name, placed, below)
+                if self._has_room(store, below):
+                    self._write_down(store, namespace, session.name, placed, below)
         if self._level(session.name) is None:
             del self._sessions[session.name]  # nothing left to place
         else:
@@ -570,10 +574,12 @@ class PlacementPolicy:
     ) -> bool:
         """Whether tier ``kind`` has room, or session ``name`` with these chances ranks above
         the session next in line for eviction there."""
+        return self._has_room(store, kind) or chances[kind] > self._marginal(kind, name)
+
+    @staticmethod
+    def _has_room(store: TieredStore, kind: TierKind) -> bool:
         tier = store.tier(kind)
-        if tier.used_bytes() < FULL * tier.capacity_bytes():
-            return True
-        return chances[kind] > self._marginal(kind, name)
+        return tier.used_bytes() < FULL * tier.capacity_bytes()
 
     def _marginal(self, kind: TierKind, name: str) -> tuple[float, float]:
         """The chances of the session other than ``name`` next in line for eviction from
