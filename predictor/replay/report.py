@@ -361,15 +361,17 @@ def plot(
         samples = np.asarray(predictor.calibration)
         for horizon in sorted(set(samples[:, 0])):
             rows = samples[samples[:, 0] == horizon]
-            bins = np.clip((rows[:, 1] * 10).astype(int), 0, 9)
-            xs, ys = [], []
-            for b in range(10):
-                inside = rows[bins == b]
-                if len(inside):
-                    xs.append(inside[:, 1].mean())
-                    ys.append(inside[:, 2].mean())
-            axis.plot(xs, ys, marker="o", label=f"{horizon:g} s")
+            rows = rows[np.argsort(rows[:, 1], kind="stable")]
+            # Ten bins of equal count: forecasts crowd where the rates are.
+            groups = [g for g in np.array_split(rows, 10) if len(g)]
+            axis.plot(
+                [g[:, 1].mean() for g in groups],
+                [g[:, 2].mean() for g in groups],
+                marker="o",
+                label=f"{horizon:g} s",
+            )
         axis.plot([0, 1], [0, 1], color="grey", linestyle=":")
+        axis.set_title("calibration on human turns (deciles of the forecast)")
         axis.set_xlabel("predicted P(back within horizon)")
         axis.set_ylabel("observed frequency")
         axis.legend()

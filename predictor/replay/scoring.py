@@ -120,7 +120,7 @@ def score_periods(
     """The human-period scores of every predictor per horizon (``"auc_human"``,
     ``"brier_human"``, ``"n_human"``, and the same under ``"prev_gap"`` and
     ``"base_rate"``), and the calibration points of every period whose label is
-    known: (horizon, the forecast's probability, label)."""
+    known and that a human ends: (horizon, the forecast's probability, label)."""
     report: dict[str, Any] = {
         "auc_human": {},
         "brier_human": {},
@@ -140,6 +140,7 @@ def score_periods(
     calibration = [
         (horizon, period.forecast.within(horizon), label)
         for period in periods
+        if period.human
         for horizon in horizons
         if (label := _label(period, horizon, end)) is not None
     ]
