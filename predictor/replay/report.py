@@ -306,6 +306,26 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def calibration_curves(
+    results: Sequence[PolicyResult], bins: int = 10
+) -> dict[float, list[tuple[float, float]]]:
+    """The predictor's calibration on human turns: per horizon, (mean forecast, observed
+    frequency) in ``bins`` bins of equal count (forecasts crowd where the rates are).
+    Empty without a predictor run; the other policies fed forecasts (lognormal, the
+    oracle) are not the model's."""
+    predictor = next((r for r in results if r.name == "predictor"), None)
+    if predictor is None or not predictor.calibration:
+        return {}
+    samples = np.asarray(predictor.calibration, dtype=np.float64)
+    curves: dict[float, list[tuple[float, float]]] = {}
+    for horizon in sorted(set(samples[:, 0].tolist())):
+        rows = samples[samples[:, 0] == horizon]
+        rows = rows[np.argsort(rows[:, 1], kind="stable")]
+        groups = [g for g in np.array_split(rows, bins) if len(g)]
+        curves[horizon] = [(float(g[:, 1].mean()), float(g[:, 2].mean())) for g in groups]
+    return curves
+
+
 def plot(
     report: dict[str, Any],
     results: Sequence[PolicyResult],
@@ -355,21 +375,12 @@ def plot(
             axis.axvline(horizon, color="grey", linestyle=":")
         save(figure, "gap_cdf.png")
 
-    predictor = next((r for r in results if r.calibration), None)
-    if predictor is not None:
+    curves = calibration_curves(results)
+    if curves:
         figure, axis = plt.subplots(figsize=(5, 5))
-        samples = np.asarray(predictor.calibration)
-        for horizon in sorted(set(samples[:, 0])):
-            rows = samples[samples[:, 0] == horizon]
-            rows = rows[np.argsort(rows[:, 1], kind="stable")]
-            # Ten bins of equal count: forecasts crowd where the rates are.
-            groups = [g for g in np.array_split(rows, 10) if len(g)]
-            axis.plot(
-                [g[:, 1].mean() for g in groups],
-                [g[:, 2].mean() for g in groups],
-                marker="o",
-                label=f"{horizon:g} s",
-            )
+        for horizon, points in curves.items():
+            xs, ys = zip(*points, strict=True)
+            axis.plot(xs, ys, marker="o", label=f"{horizon:g} s")
         axis.plot([0, 1], [0, 1], color="grey", linestyle=":")
         axis.set_title("calibration on human turns (deciles of the forecast)")
         axis.set_xlabel("predicted P(back within horizon)")

@@ -26,9 +26,10 @@ from kvstore.predictor.replay.ablation import (
 )
 from kvstore.predictor.replay.costs import Sizing
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
-from kvstore.predictor.replay.report import gap_closed, summarize
+from kvstore.predictor.replay.report import calibration_curves, gap_closed, summarize
 from kvstore.predictor.replay.simulator import (
     PolicyKind,
+    PolicyResult,
     PolicySpec,
     ReplayConfig,
     horizons_for,
@@ -212,6 +213,18 @@ def test_train_predictor_on_conversations_saves_what_the_replay_learnt(
     argv = ["replay", str(conversations), "--users", "2", "--policy", "predictor"]
     argv += ["--hbm-gb", "20", "--dram-gb", "10", "--ssd-gb", "1000", "--model", str(model)]
     assert main([*argv, "--no-progress"]) == 0
+
+
+def test_the_calibration_curve_is_the_predictors_in_bins_of_equal_count() -> None:
+    lognormal = PolicyResult("lognormal", baseline=True, calibration=[(60.0, 0.9, 0)] * 20)
+    samples = [(60.0, p / 20, int(p >= 10)) for p in range(20)] + [(600.0, 0.5, 1)] * 4
+    predictor = PolicyResult("predictor", baseline=False, calibration=samples)
+    curves = calibration_curves([lognormal, predictor], bins=4)
+    assert set(curves) == {60.0, 600.0}
+    flat = [x for point in curves[60.0] for x in point]
+    assert flat == pytest.approx([0.1, 0.0, 0.35, 0.0, 0.6, 1.0, 0.85, 1.0])
+    assert curves[600.0] == [(0.5, 1.0)] * 4
+    assert calibration_curves([lognormal]) == {}  # only the model's forecasts count
 
 
 def test_cli_rejects_an_unknown_policy(
