@@ -344,8 +344,26 @@ class ChunkChains:
 def replay_policy(
     workload: Workload, spec: PolicySpec, config: ReplayConfig, progress: Progress | None = None
 ) -> PolicyResult:
-    """Replay ``workload`` under one policy on a fresh store; see the module docstring."""
+    """Replay ``workload`` under one policy on a fresh store; see the module docstring.
+    Torch runs on one thread, here as in a worker process: a sum split over more
+    threads rounds differently, a forecast on a threshold flips, and the same seed
+    would give other numbers in and out of ``--jobs``."""
     chunk_tokens = workload.block_tokens * config.chunk_blocks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _replay_policy(workload, spec, config, progress, chunk_tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay_policy(
+    workload: Workload,
+    spec: PolicySpec,
+    config: ReplayConfig,
+    progress: Progress | None,
+    chunk_tokens: int,
+) -> PolicyResult:
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as directory:
         store_config = _store_config(config, chunk_tokens, Path(directory))
         policy = make_policy(spec, config.placement)
@@ -729,9 +747,8 @@ class _Run:
 def _replay_one(
     workload: Workload, spec: PolicySpec, config: ReplayConfig, reports: Any
 ) -> PolicyResult:
-    """One policy in a worker process: torch on one thread, as the core it has; progress
-    goes back over ``reports`` (a manager's queue; None: none asked for)."""
-    torch.set_num_threads(1)
+    """One policy in a worker process; progress goes back over ``reports`` (a manager's
+    queue; None: none asked for)."""
     progress = None if reports is None else _Reporter(reports)
     return replay_policy(workload, spec, config, progress)
 

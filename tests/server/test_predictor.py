@@ -25,6 +25,7 @@ from support.http_kv import frames_body, get_bytes, lookup, make_chain, put_raw,
 
 from kvstore.cli import main
 from kvstore.cli.daemon_stats import format_stats
+from kvstore.predictor.learning.counting import HumanGapTable, blend
 from kvstore.predictor.learning.features import feature_names, feature_vector
 from kvstore.predictor.learning.model import ReturnModel, default_prior
 from kvstore.predictor.learning.sessions import SessionTracker
@@ -209,12 +210,14 @@ def test_a_model_from_train_predictor_starts_a_daemon(
         post(client, started("probe", T0), finished("probe", T0 + 10))
         assert stats(client, processed(2))["predictor"]["model"]["source"] == "weights"
         forecast = session(client, "probe")["forecast"]
-    # The same session seen in-process gives the trained model's answer.
+    # The same session seen in-process gives the trained model's answer, blended with
+    # the previous-gap table (counts, not saved with the weights: a fresh one here).
     tracker = SessionTracker()
     tracker.started(started("probe", T0))
     state = tracker.finished(finished("probe", T0 + 10))
-    expected = trained.predict(feature_vector(state, T0 + 10, tracker))
-    assert forecast["p_return"] == pytest.approx(list(expected), abs=1e-6)
+    model = trained.predict(feature_vector(state, T0 + 10, tracker))
+    table = HumanGapTable(trained.horizons).predict(HumanGapTable.bin(state.human_gaps))
+    assert forecast["p_return"] == pytest.approx(blend(model, table).tolist(), abs=1e-6)
 
 
 def test_unusable_weights_stop_the_daemon_with_a_clear_error(
