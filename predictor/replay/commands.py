@@ -165,7 +165,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     for tier, size in TRAIN_SIZING.items():
         train.add_argument(
             f"--{tier}-gb", type=float, default=size,
-            help=f"conversations: {tier} of the deployment that serves them (default {size:g})",
+            help=f"conversations: GB of {tier.upper()} where they are served (default {size:g})",
         )  # fmt: skip
     train.add_argument("--json", action="store_true", help="print the scores as JSON")
 
