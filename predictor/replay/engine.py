@@ -68,8 +68,17 @@ class RequestCost:
     @property
     def queue_s(self) -> float:
         """Waiting for a slot and HBM, then for the GPU."""
-        ready = self.admitted + self.writeback_s + self.load_s
-        return (self.admitted - self.arrival) + (self.prefill_start - ready)
+        return self.admission_wait_s + self.gpu_wait_s
+
+    @property
+    def admission_wait_s(self) -> float:
+        """Waiting for a batch slot and room in HBM for the whole prompt."""
+        return self.admitted - self.arrival
+
+    @property
+    def gpu_wait_s(self) -> float:
+        """Admitted and loaded, waiting for the GPU to prefill."""
+        return self.prefill_start - (self.admitted + self.writeback_s + self.load_s)
 
     @property
     def gpu_s(self) -> float:

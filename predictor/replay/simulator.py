@@ -153,9 +153,14 @@ class PolicyResult:
     load_seconds: float = 0.0
     writeback_seconds: float = 0.0
     queue_seconds: float = 0.0
+    admission_wait_seconds: float = 0.0
+    """The part of ``queue_seconds`` spent waiting for a batch slot and HBM."""
     ttft_s: list[float] = field(default_factory=list)
     ttft_human_s: list[float] = field(default_factory=list)
     ttft_tool_s: list[float] = field(default_factory=list)
+    service_human_s: list[float] = field(default_factory=list)
+    """Human turns' time to first token without queueing: write-back + load + prefill,
+    what placement decides (TTFT adds the waits, which bursts and admission set)."""
     hbm_byte_seconds_idle: float = 0.0
     prefetches: PrefetchStats = field(default_factory=PrefetchStats)
     demoted_at_idle: int = 0
@@ -648,9 +653,12 @@ class _Run:
         result.load_seconds += cost.load_s
         result.writeback_seconds += cost.writeback_s
         result.queue_seconds += cost.queue_s
+        result.admission_wait_seconds += cost.admission_wait_s
         result.ttft_s.append(cost.ttft_s)
         human = request.call.trigger is Trigger.USER
         (result.ttft_human_s if human else result.ttft_tool_s).append(cost.ttft_s)
+        if human:
+            result.service_human_s.append(cost.gpu_s)
 
     def _finish(self, request: _Request, now: float) -> None:
         session, call = request.session, request.call

@@ -102,7 +102,13 @@ def test_a_request_waits_until_the_running_ones_leave_it_room_in_hbm() -> None:
     assert second.cost.arrival == 1.0
     assert second.cost.admitted == pytest.approx(first.end)  # when a's prompt is unpinned
     assert second.cost.queue_s == pytest.approx(first.end - 1.0)
+    assert second.cost.admission_wait_s == pytest.approx(first.end - 1.0)  # all for HBM
+    assert second.cost.gpu_wait_s == pytest.approx(0.0)
     assert result.queue_seconds == pytest.approx(first.end - 1.0)
+    assert result.admission_wait_seconds == pytest.approx(first.end - 1.0)
+    # Without the wait: its own prefill, what placement decides.
+    assert result.service_human_s == pytest.approx([c.cost.gpu_s for c in result.calls])
+    assert second.cost.ttft_s == pytest.approx(second.cost.queue_s + second.cost.gpu_s)
 
 
 def test_making_room_writes_idle_kv_back_on_the_requests_clock() -> None:
@@ -135,6 +141,8 @@ def test_prefills_wait_for_the_gpu_one_after_another() -> None:
     first, second = result.calls
     assert second.cost.prefill_start == pytest.approx(first.cost.first_token)
     assert second.cost.ttft_s == pytest.approx(2 * 35 * BLOCK / PREFILL)
+    assert second.cost.gpu_wait_s == pytest.approx(35 * BLOCK / PREFILL)  # for the GPU
+    assert second.cost.admission_wait_s == 0.0
 
 
 def test_admission_bounds_the_batch_and_lets_an_oversized_prompt_run_alone() -> None:
