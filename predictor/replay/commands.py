@@ -56,13 +56,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     replay = commands.add_parser(
         "replay", help="replay a request trace through the real store under several policies"
     )
-    replay.add_argument(
-        "paths", type=Path, nargs="+", metavar="PATH",
-        help="a trace file (JSON Lines), or kv-cache-tester conversations (files or a folder)",
-    )  # fmt: skip
-    replay.add_argument(
-        "--format", choices=[f.value for f in TraceFormat], help="default: guessed"
-    )
+    _add_inputs(replay, "paths", "a trace file (JSON Lines)")
     replay.add_argument(
         "--users", type=int, help="conversations: this many users, each playing one after "
         f"another (default {DEFAULT_USERS})",
@@ -148,13 +142,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
         "train-predictor", help="train the return-time model offline from traces"
     )
-    train.add_argument(
-        "traces", type=Path, nargs="+", metavar="PATH",
-        help="trace files, learnt in order, or kv-cache-tester conversations (files or a folder)",
-    )  # fmt: skip
-    train.add_argument(
-        "--format", choices=[f.value for f in TraceFormat], help="default: guessed"
-    )
+    _add_inputs(train, "traces", "trace files, learnt in order")
     train.add_argument("--out", type=Path, required=True, help="where to save the model")
     train.add_argument("--hidden", type=int, default=16, help="hidden units (0: logistic)")
     train.add_argument(
@@ -168,6 +156,17 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
             help=f"conversations: GB of {tier.upper()} where they are served (default {size:g})",
         )  # fmt: skip
     train.add_argument("--json", action="store_true", help="print the scores as JSON")
+
+
+def _add_inputs(parser: argparse.ArgumentParser, dest: str, traces: str) -> None:
+    """The positional paths and ``--format`` both commands read workloads from."""
+    parser.add_argument(
+        dest, type=Path, nargs="+", metavar="PATH",
+        help=f"{traces}, or kv-cache-tester conversations (files or a folder)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--format", choices=[f.value for f in TraceFormat], help="default: guessed"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

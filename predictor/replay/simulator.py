@@ -40,6 +40,7 @@ workload and seed give the same numbers however many there are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -48,7 +49,7 @@ import multiprocessing
 import queue
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -354,26 +355,21 @@ def replay_policy(
     threads rounds differently, a forecast on a threshold flips, and the same seed
     would give other numbers in and out of ``--jobs``."""
     chunk_tokens = workload.block_tokens * config.chunk_blocks
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _replay_policy(workload, spec, config, progress, chunk_tokens)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _replay_policy(
-    workload: Workload,
-    spec: PolicySpec,
-    config: ReplayConfig,
-    progress: Progress | None,
-    chunk_tokens: int,
-) -> PolicyResult:
-    with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as directory:
+    with _one_torch_thread(), tempfile.TemporaryDirectory(prefix="kvstore-replay-") as directory:
         store_config = _store_config(config, chunk_tokens, Path(directory))
         policy = make_policy(spec, config.placement)
         with TieredStore(store_config, policy=policy) as store:
             return _Run(workload, spec, config, store, policy).run(progress)
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass
