@@ -66,6 +66,7 @@ def format_stats(data: dict[str, Any]) -> str:
         ("promoted", "promotions"),
         ("corrupt", "corrupt_blocks"),
         ("errors", "errors"),
+        ("kept", "writebacks_failed"),
     ]
     rows = [[name for name, _ in columns]]
     for tier, counters in store.get("tiers", {}).items():

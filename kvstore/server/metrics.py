@@ -19,6 +19,7 @@ Two sources:
       kvstore_tier_demotions_total{tier}       written back to the next tier down
       kvstore_tier_promotions_total{tier}      copied up from this tier
       kvstore_tier_corrupt_blocks_total{tier}  failed verification, purged
+      kvstore_tier_writebacks_failed_total{tier}  kept: the copy down failed
       kvstore_leases_outstanding               shared-memory leases not yet released
 
 A miss has no tier (it is a miss in all of them), so misses are one counter.
@@ -70,6 +71,11 @@ _TIER_COUNTERS = (
     ("promotions", "promotions", "Blocks copied up from the tier to a faster one."),
     ("corrupt_blocks", "corrupt_blocks", "Blocks of the tier that failed verification."),
     ("errors", "errors", "Backend errors of the tier (each cost a miss)."),
+    (
+        "writebacks_failed",
+        "writebacks_failed",
+        "Victims kept in the tier because their write-back to a slower tier failed.",
+    ),
 )
 _TIER_GAUGES = (
     ("used_bytes", "used_bytes", "Stored bytes the tier holds."),

@@ -7,7 +7,8 @@
         │                           next tier down (or where the policy says),
         │                           unless that tier holds it already, then
         │                           removed here; only the last tier drops
-        │                           blocks for good
+        │                           blocks for good; a victim whose write-back
+        │                           fails stays, and the new block does not fit
         ▼
     put_many(batch) ──TierFull──► evict one more, retry with half the batch
         │
@@ -18,6 +19,10 @@ Invariants kept here:
 * ``used_bytes <= capacity_bytes`` for every tier after every admission.
 * A chain being written (``protect``) never evicts itself: a chain longer
   than a tier keeps its head there and spills its tail down.
+* A block the store acknowledged leaves a tier only for a copy below, or at
+  the last tier: when the write-back fails (a full disk, a tier that is down)
+  the victim stays where it is and the block that wanted its room is refused
+  (``puts_dropped``), since the engine still has that one and can put it again.
 * The index records a copy only after the tier accepted the write, so a
   reader never finds a key whose bytes are not all there.
 * A reserved extent (``reserve``: the daemon writes a block straight into
@@ -30,6 +35,7 @@ Every method expects the store lock to be held (the store owns it).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,8 +47,11 @@ from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.index import BlockIndex, BlockMeta
 from kvstore.store.stats import StoreStats
+from kvstore.throttled_log import ThrottledLog
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.kinds import TierKind
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -65,6 +74,15 @@ class Reserved:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class CopiedDown:
+    """What a copy down did: the keys now held below, and those whose write failed
+    (their only good copy is still the one being copied)."""
+
+    stored: set[ChunkKey]
+    failed: set[ChunkKey]
+
+
 class Placement:
     """The mechanics of the hierarchy; the policy only orders victims."""
 
@@ -82,6 +100,7 @@ class Placement:
         self._index = index
         self._policy = policy
         self._stats = stats
+        self._failed_writebacks = ThrottledLog(logger, every_s=10.0)
 
     @property
     def fastest(self) -> TierKind:
@@ -263,7 +282,8 @@ class Placement:
     def make_room(self, kind: TierKind, nbytes: int, protect: frozenset[ChunkKey]) -> bool:
         """Evict the policy's first unpinned, unprotected victims from ``kind`` until they
         held at least ``nbytes`` (as the index counts them; an arena's page rounding may
-        leave the caller a little short); whether there was any victim."""
+        leave the caller a little short); whether any victim left (none does when every
+        write-back failed)."""
         victims: list[tuple[ChunkKey, BlockMeta]] = []
         freed = 0
         for key in self._policy.victims(kind):
@@ -277,8 +297,7 @@ class Placement:
             freed += meta.sizes[kind]
             if freed >= nbytes:
                 break
-        self.evict_many(kind, victims)
-        return bool(victims)
+        return self.evict_many(kind, victims) > 0
 
     def _destination(self, kind: TierKind, key: ChunkKey) -> TierKind | None:
         """Where a victim of ``kind`` is written back: the tier the policy names if it is
@@ -296,9 +315,9 @@ class Placement:
         *,
         to: TierKind | None = None,
         drop: bool = False,
-    ) -> None:
-        """``evict_many`` for one block."""
-        self.evict_many(kind, [(key, meta)], to=to, drop=drop)
+    ) -> bool:
+        """``evict_many`` for one block; whether it left."""
+        return self.evict_many(kind, [(key, meta)], to=to, drop=drop) > 0
 
     def evict_many(
         self,
@@ -307,34 +326,50 @@ class Placement:
         *,
         to: TierKind | None = None,
         drop: bool = False,
-    ) -> None:
+    ) -> int:
         """Write each victim back into its destination (``to`` if given, else where the
         policy says or the next tier down) unless that tier holds it already, then
         drop it from ``kind``; ``drop`` skips the write-back. A block that cannot be
-        read back is dropped, not moved. Victims going to one tier move in one batch.
+        read back is dropped, not moved; one whose write-back failed stays (counted in
+        ``writebacks_failed``, logged). Victims going to one tier move in one batch.
+        Returns how many left ``kind``.
 
         A copy further down (SSD, say, for a block leaving HBM) does not stand in
         for the write-back: the block would then be served from the slowest copy
         for as long as it is used, where one write puts it a tier faster."""
         moving: dict[tuple[TierKind, bytes], list[tuple[ChunkKey, BlockMeta]]] = {}
-        leaving: dict[bytes, list[ChunkKey]] = {}
         for key, meta in victims:
-            leaving.setdefault(meta.namespace, []).append(key)
             lower = None if drop else (to if to is not None else self._destination(kind, key))
             if lower is not None and lower not in meta.sizes:
                 moving.setdefault((lower, meta.namespace), []).append((key, meta))
+        kept: set[ChunkKey] = set()
         for (lower, namespace), items in moving.items():
-            self.copy_down(kind, lower, namespace, items)
+            kept |= self.copy_down(kind, lower, namespace, items).failed
+        counters = self._stats.tier(kind)
+        if kept:
+            counters.writebacks_failed += len(kept)
+            self._failed_writebacks.warning(
+                "%d block(s) kept in %s: their write-back to a slower tier failed "
+                "(full disk or tier down); new blocks are refused until it succeeds",
+                len(kept),
+                kind.label,
+            )
+        leaving: dict[bytes, list[ChunkKey]] = {}
+        for key, meta in victims:
+            if key not in kept:
+                leaving.setdefault(meta.namespace, []).append(key)
         for namespace, keys in leaving.items():
             self.tiers[kind].delete_many(namespace, keys)
-        counters = self._stats.tier(kind)
         for key, _ in victims:
+            if key in kept:
+                continue
             self._index.drop(kind, key)
             self._policy.on_remove(kind, key)
             if self._index.get(key) is not None:
                 counters.demotions += 1
             else:
                 counters.evictions += 1
+        return len(victims) - len(kept)
 
     def copy_down(
         self,
@@ -342,7 +377,7 @@ class Placement:
         lower: TierKind,
         namespace: bytes,
         items: Sequence[tuple[ChunkKey, BlockMeta]],
-    ) -> None:
+    ) -> CopiedDown:
         """Copy ``items`` of tier ``kind`` into tier ``lower``, framed for its codec (the
         copy in ``kind`` stays: an eviction's write-back, or an early one)."""
         keys = [key for key, _ in items]
@@ -357,7 +392,8 @@ class Placement:
                 self._stats.tier(kind).corrupt_blocks += 1
                 continue
             admissions.append(Admission(key, block, meta.parent))
-        self.admit(lower, namespace, admissions, protect=frozenset(keys))
+        stored = self.admit(lower, namespace, admissions, protect=frozenset(keys))
+        return CopiedDown(stored, {a.key for a in admissions} - stored)
 
     def forget(self, kind: TierKind, namespace: bytes, key: ChunkKey) -> int:
         """Delete ``kind``'s copy of ``key`` (bad, vanished or unwanted) and forget it;

@@ -23,6 +23,7 @@ class TierCounters:
     evictions: int = 0
     corrupt_blocks: int = 0
     errors: int = 0
+    writebacks_failed: int = 0  # victims kept here: their copy to a slower tier failed
     used_bytes: int = 0
     capacity_bytes: int = 0
     blocks: int = 0

@@ -202,7 +202,8 @@ class TieredStore(Closing):
         self, namespace: Namespace, keys: Sequence[ChunkKey], to: TierKind | None = None
     ) -> int:
         """Move each unpinned key out of its fastest tier one level down (write-back).
-        Returns how many moved; a key held only by the last tier is dropped.
+        Returns how many moved; a key held only by the last tier is dropped, and one
+        whose write-back fails stays where it is.
 
         With ``to``, move each key out of every tier faster than ``to``, writing
         it back into ``to`` (or the first configured tier below it) unless a copy
@@ -221,13 +222,14 @@ class TieredStore(Closing):
                 fastest = meta.fastest
                 assert fastest is not None, "an indexed block is held somewhere"
                 if to is None:
-                    placement.evict(fastest, key, meta)
-                    moved += 1
+                    moved += placement.evict(fastest, key, meta)
                     continue
                 faster = [kind for kind in sorted(meta.sizes) if target is None or kind < target]
-                for kind in faster:
+                left = [
                     placement.evict(kind, key, meta, to=target, drop=target is None)
-                moved += bool(faster)
+                    for kind in faster
+                ]
+                moved += bool(left) and all(left)
         return moved
 
     def promote(
@@ -273,9 +275,7 @@ class TieredStore(Closing):
                     by_tier.setdefault(fastest, []).append((key, meta))
             for kind, items in by_tier.items():
                 placement.copy_down(kind, target, namespace.digest, items)
-            return sum(
-                1 for items in by_tier.values() for _, meta in items if target in meta.sizes
-            )
+            return sum(1 for items in by_tier.values() for _, meta in items if target in meta.sizes)
 
     def pin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
         """Protect keys from eviction until ``unpin``; returns how many were found."""

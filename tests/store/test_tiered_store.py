@@ -294,13 +294,15 @@ def test_redis_stopped_mid_test_degrades_to_misses(redis_server_factory) -> None
         got = store.get(ns, keys)
         assert [chunk is not None for chunk in got] == [True, True, False, False, False]
         assert all(torch.equal(c.tensor(), t) for c, t in zip(got[:2], data[:2], strict=True))
-        # A put whose write-back cannot reach Redis drops what it cannot place.
-        store.put(ns, kv.tokens(2, start=5_000), kv.chunks(2, seed=9))
+        # A put that needs DRAM's room is refused: the victims' write-back cannot reach
+        # Redis, and DRAM keeps the blocks it acknowledged.
+        assert store.put(ns, kv.tokens(2, start=5_000), kv.chunks(2, seed=9)) == 0
         assert time.monotonic() - started < 6.0  # bounded by the timeouts, never a hang
         assert store.stats().tiers[REDIS].errors >= 3
         server.start()
-        # The same store reconnects once Redis is back (empty: it keeps nothing on disk).
-        assert store.lookup(ns, kv.tokens(5)).num_chunks == 0
+        # The same store reconnects once Redis is back (empty: it keeps nothing on disk);
+        # DRAM still holds the head it kept through the outage.
+        assert store.lookup(ns, kv.tokens(5)).tiers == (DRAM, DRAM)
         fresh = kv.chunks(4, seed=11)
         store.put(ns, kv.tokens(4, start=20_000), fresh)
         prefix = store.lookup(ns, kv.tokens(4, start=20_000))
