@@ -65,6 +65,11 @@ class TierUnavailable(TierError):
     """The tier's backend is unreachable or timed out."""
 
 
+class TierRefused(TierError):
+    """The tier's backend answered but would not store the write (its disk is full,
+    Redis is out of memory): reads still work, so it is not down."""
+
+
 class TierFull(TierError):
     """The tier cannot hold the block even after evicting everything evictable."""
 

@@ -28,6 +28,9 @@ How this tier uses it, and why:
 * **Map full is ``TierFull``, not a crash.** The map size is LMDB's hard wall.
   ``MapFullError`` aborts the whole batch (nothing of it visible) and becomes
   ``TierFull``, so the store evicts and retries; the environment stays usable.
+  A full disk (``DiskError``) aborts the batch the same way and becomes
+  ``TierRefused``: the store keeps what it wanted to write elsewhere, and reads
+  go on.
 * **Stale readers are reaped at open.** A process killed inside a read
   transaction leaves its slot in the shared reader table; LMDB then keeps every
   page that reader could see, so freed pages are never reused and the file
@@ -60,7 +63,7 @@ import lmdb
 import numpy as np
 
 from kvstore.block import HEADER_BYTES, Block
-from kvstore.errors import TierFull, TierUnavailable
+from kvstore.errors import TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
 from kvstore.tiers.kinds import TierKind
@@ -277,6 +280,8 @@ class LMDBTier:
             yield env
         except lmdb.MapFullError as exc:
             raise TierFull(_NAME, f"LMDB map is full ({exc})") from exc
+        except lmdb.DiskError as exc:  # the disk is full: reads still work
+            raise TierRefused(_NAME, f"LMDB could not write: {exc}") from exc
         except lmdb.Error as exc:
             raise TierUnavailable(_NAME, f"LMDB error: {exc}") from exc
         finally:

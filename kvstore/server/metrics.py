@@ -20,6 +20,7 @@ Two sources:
       kvstore_tier_promotions_total{tier}      copied up from this tier
       kvstore_tier_corrupt_blocks_total{tier}  failed verification, purged
       kvstore_tier_writebacks_failed_total{tier}  kept: the copy down failed
+      kvstore_tier_down{tier}                  1 while its breaker answers for it
       kvstore_leases_outstanding               shared-memory leases not yet released
 
 A miss has no tier (it is a miss in all of them), so misses are one counter.
@@ -76,11 +77,14 @@ _TIER_COUNTERS = (
         "writebacks_failed",
         "Victims kept in the tier because their write-back to a slower tier failed.",
     ),
+    ("calls_refused", "calls_refused", "Calls answered without the backend: it was down."),
+    ("breaker_trips", "breaker_trips", "Times a failure of the tier opened its breaker."),
 )
 _TIER_GAUGES = (
     ("used_bytes", "used_bytes", "Stored bytes the tier holds."),
     ("capacity_bytes", "capacity_bytes", "Configured capacity of the tier."),
     ("blocks", "blocks", "Blocks the tier holds."),
+    ("down", "down", "1 while the tier's breaker is open (calls answered as misses)."),
 )
 # (metric name, StoreStats field, help) of the store-wide counters.
 _STORE_COUNTERS = (

@@ -124,7 +124,12 @@ class CostModel:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Settings of a ``TieredStore``; ``tiers`` is ordered fastest first."""
+    """Settings of a ``TieredStore``; ``tiers`` is ordered fastest first.
+
+    ``breaker_min_open_s`` / ``breaker_max_open_s``: after a tier's backend fails,
+    how long its calls are answered as misses before the first probe, and at most
+    between probes while it stays down (``kvstore.store.breaker``).
+    """
 
     tiers: tuple[TierConfig, ...]
     promote_on_hit: bool = True
@@ -134,10 +139,17 @@ class StoreConfig:
     scrub_interval_s: float | None = None
     data_dir: Path = field(default_factory=default_cache_dir)
     costs: CostModel = field(default_factory=CostModel)
+    breaker_min_open_s: float = 0.5
+    breaker_max_open_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.tiers:
             raise ConfigError("a store needs at least one tier")
+        if not 0 < self.breaker_min_open_s <= self.breaker_max_open_s:
+            raise ConfigError(
+                "breaker_min_open_s must be positive and at most breaker_max_open_s, got "
+                f"{self.breaker_min_open_s} and {self.breaker_max_open_s}"
+            )
         kinds = [tier.kind for tier in self.tiers]
         if len(set(kinds)) != len(kinds):
             raise ConfigError("each tier kind may appear once")

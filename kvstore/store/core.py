@@ -33,6 +33,7 @@ from kvstore.block import HEADER_BYTES, Block
 from kvstore.codec import CodecSpec
 from kvstore.errors import KVStoreError, LayoutMismatch, RequestTooLarge, UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
+from kvstore.store.breaker import BreakerConfig
 from kvstore.store.chunk import KVChunk
 from kvstore.store.config import StoreConfig
 from kvstore.store.eviction import EvictionPolicy, LRUPolicy
@@ -62,12 +63,14 @@ class StoreCore:
         self._closed = False  # set once, under ``lock``, by ``close``
         tiers: dict[TierKind, GuardedTier] = {}
         codecs: dict[TierKind, CodecSpec] = {}
+        breaker = BreakerConfig(config.breaker_min_open_s, config.breaker_max_open_s)
         try:
             for tier_config in config.tiers:
                 counters = self.stats.tier(tier_config.kind)
-                counters.capacity_bytes = tier_config.capacity_bytes
                 codecs[tier_config.kind] = CodecSpec.parse(tier_config.codec)
-                tiers[tier_config.kind] = GuardedTier(open_tier(tier_config), counters, self.lock)
+                tier = open_tier(tier_config)
+                counters.capacity_bytes = tier.capacity_bytes()  # a tier may size down
+                tiers[tier_config.kind] = GuardedTier(tier, counters, self.lock, breaker)
         except BaseException:
             for opened in tiers.values():
                 opened.close()

@@ -4,7 +4,11 @@ A tier raises ``TierError`` when its backend fails. For the store a failure
 is a miss (the engine recomputes), never an exception out of ``lookup`` or
 ``get``; this wrapper is the one place that turns errors into "nothing",
 counts them, and lets ``TierFull`` through, because admission answers it by
-evicting.
+evicting. A failure also trips the tier's ``CircuitBreaker``: until a probe
+finds the backend answering again, calls are answered as "nothing" at once
+(``calls_refused``), so a hung backend costs one timeout, not one per call.
+A write the backend answered and refused (``TierRefused``: a full disk) is a
+counted failure that trips nothing: the tier still serves reads.
 """
 
 from __future__ import annotations
@@ -14,23 +18,39 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvstore.block import Block
-from kvstore.errors import TierError, TierFull
-from kvstore.keys import ChunkKey
+from kvstore.errors import TierError, TierFull, TierRefused
+from kvstore.keys import KEY_BYTES, ChunkKey
+from kvstore.store.breaker import BreakerConfig, CircuitBreaker
 from kvstore.store.stats import TierCounters
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, Tier
 
 _T = TypeVar("_T")
 
+# What a probe asks a tripped tier: whether it holds a key nobody stores.
+_PROBE_NAMESPACE = bytes(KEY_BYTES)
+_PROBE_KEYS = [ChunkKey(bytes(KEY_BYTES))]
+
 
 class GuardedTier:
     """Wraps a ``Tier``; failed calls return ``None`` (or 0) and count an error."""
 
-    def __init__(self, tier: Tier, counters: TierCounters, lock: threading.RLock) -> None:
+    def __init__(
+        self,
+        tier: Tier,
+        counters: TierCounters,
+        lock: threading.RLock,
+        breaker: BreakerConfig | None = None,
+    ) -> None:
         self.tier = tier
         self.kind = tier.kind
         self.verifies_reads = tier.verifies_reads
         self._counters = counters
         self._lock = lock
+        self.breaker = CircuitBreaker(
+            tier.kind.label,
+            lambda: tier.contains_many(_PROBE_NAMESPACE, _PROBE_KEYS),
+            breaker,
+        )
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None] | None:
         return self._guard(lambda: self.tier.get_many(namespace, keys))
@@ -53,13 +73,19 @@ class GuardedTier:
         return self._guard(lambda: list(self.tier.scan()))
 
     def put_many(self, namespace: bytes, items: Sequence[tuple[ChunkKey, Block]]) -> bool:
-        """Store the batch; ``False`` if the tier failed. ``TierFull`` propagates."""
+        """Store the batch; ``False`` if the tier failed or is down. ``TierFull``
+        propagates."""
+        if not self._allowed():
+            return False
         try:
             self.tier.put_many(namespace, items)
         except TierFull:
             raise
-        except TierError:
+        except TierRefused:
             self._count_error()
+            return False
+        except TierError:
+            self._failed()
             return False
         return True
 
@@ -70,14 +96,28 @@ class GuardedTier:
         return self.tier.capacity_bytes()
 
     def close(self) -> None:
+        self.breaker.close()
         self.tier.close()
 
     def _guard(self, call: Callable[[], _T]) -> _T | None:
+        if not self._allowed():
+            return None
         try:
             return call()
         except TierError:
-            self._count_error()
+            self._failed()
             return None
+
+    def _allowed(self) -> bool:
+        if self.breaker.allow():
+            return True
+        with self._lock:
+            self._counters.calls_refused += 1
+        return False
+
+    def _failed(self) -> None:
+        self._count_error()
+        self.breaker.failed()
 
     def _count_error(self) -> None:
         with self._lock:

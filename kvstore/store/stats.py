@@ -24,6 +24,9 @@ class TierCounters:
     corrupt_blocks: int = 0
     errors: int = 0
     writebacks_failed: int = 0  # victims kept here: their copy to a slower tier failed
+    calls_refused: int = 0  # answered as a miss or a failed write: the breaker was open
+    breaker_trips: int = 0
+    down: int = 0  # 1 while the breaker is open
     used_bytes: int = 0
     capacity_bytes: int = 0
     blocks: int = 0

@@ -325,6 +325,8 @@ class TieredStore(Closing):
                 counters = snapshot.tier(kind)
                 counters.used_bytes = tier.used_bytes()
                 counters.blocks = self.core.index.count(kind)
+                counters.breaker_trips = tier.breaker.trips
+                counters.down = int(tier.breaker.is_open)
             return snapshot
 
     def tier(self, kind: TierKind) -> Tier:

@@ -86,9 +86,11 @@ def test_get_many_into_copies_into_the_callers_buffers(dram: GuardedTier) -> Non
     assert payloads[0].tobytes() == bytes([1]) * kv.LAYOUT.chunk_nbytes
 
 
-def test_a_stopped_backend_is_nothing_and_each_failed_call_counts_one_error(
+def test_a_stopped_backend_is_nothing_its_first_failure_trips_the_breaker(
     ssd: GuardedTier, stats: StoreStats
 ) -> None:
+    """One call pays for learning that the backend is down; the breaker answers the
+    rest without it."""
     ssd.put_many(NS.digest, [(KEYS[0], block(0))])
     ssd.tier.close()  # the LMDB environment is gone: every call raises TierUnavailable
     destination = BlockDestination(
@@ -101,9 +103,10 @@ def test_a_stopped_backend_is_nothing_and_each_failed_call_counts_one_error(
     assert ssd.delete_many(NS.digest, [KEYS[0]]) == 0
     assert ssd.used_bytes() == 0
     assert ssd.put_many(NS.digest, [(KEYS[1], block(1))]) is False
-    assert stats.tier(TierKind.SSD).errors == 7
+    counters = stats.tier(TierKind.SSD)
+    assert (counters.errors, counters.calls_refused, ssd.breaker.trips) == (1, 6, 1)
     assert ssd.capacity_bytes() == 1 << 20  # answered without the backend, not an error
-    assert stats.tier(TierKind.SSD).errors == 7
+    assert (counters.errors, counters.calls_refused) == (1, 6)
 
 
 def test_errors_count_against_the_wrapped_tier_only(

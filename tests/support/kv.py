@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -99,3 +100,14 @@ def socket_reads(data: bytes, cut: int) -> Callable[[memoryview], None]:
             filled += take
 
     return fill
+
+
+def wait_until_up(store: TieredStore, kind: TierKind, timeout_s: float = 15.0) -> float:
+    """Wait for tier ``kind``'s breaker to close after an outage (its probe runs every
+    0.5 s at first); how long that took. Fails the test after ``timeout_s``."""
+    started = time.monotonic()
+    while store.stats().tiers[kind].down:
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"{kind.label} still down after {timeout_s} s")
+        time.sleep(0.05)
+    return time.monotonic() - started
