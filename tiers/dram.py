@@ -29,6 +29,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from kvstore.errors import TierUnavailable
+from kvstore.tiers import shm_segments
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.extents import PAGE_BYTES
 from kvstore.tiers.kinds import TierKind
@@ -36,7 +38,8 @@ from kvstore.tiers.prefault import Prefault
 
 
 class SharedMemoryArena:
-    """A named shared-memory segment viewed as a flat uint8 array."""
+    """A named shared-memory segment viewed as a flat uint8 array, its pages allocated
+    up front (``tiers.shm_segments``: a shortfall is an error now, not a SIGBUS later)."""
 
     def __init__(
         self,
@@ -46,8 +49,13 @@ class SharedMemoryArena:
         pin: bool | None = None,
         prefault: bool = False,
     ) -> None:
-        self.name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = name or f"{shm_segments.PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
+        try:
+            self._held = shm_segments.hold(self.name, nbytes)
+        except BaseException:
+            _release_segment(self._shm, None)
+            raise
         self.nbytes = nbytes
         self._array: np.ndarray = np.ndarray((nbytes,), dtype=np.uint8, buffer=self._shm.buf)
         self.pinned = _pin_host_memory(self._array) if pin is not False else False
@@ -59,7 +67,7 @@ class SharedMemoryArena:
         )
         # Unlink the segment even if close() is never called (a crashed test, a
         # forgotten store); otherwise it outlives the process in /dev/shm.
-        self._finalizer = weakref.finalize(self, _release_segment, self._shm)
+        self._finalizer = weakref.finalize(self, _release_segment, self._shm, self._held)
 
     def write(self, offset: int, parts: Sequence[memoryview | bytes]) -> None:
         for part in parts:
@@ -97,9 +105,11 @@ class SharedMemoryArena:
         self._finalizer()
 
 
-def _release_segment(segment: shared_memory.SharedMemory) -> None:
+def _release_segment(segment: shared_memory.SharedMemory, held: int | None) -> None:
     segment.close()
     segment.unlink()
+    if held is not None:
+        os.close(held)
 
 
 def _pin_host_memory(array: np.ndarray) -> bool:
@@ -127,8 +137,20 @@ class DRAMTier(ArenaTier):
         self, capacity_bytes: int, *, shm_name: str | None = None, prefault: bool = False
     ) -> None:
         """``prefault``: populate the arena's pages in the background now rather than
-        by the first puts (``tiers.prefault``)."""
+        by the first puts (``tiers.prefault``). Where ``/dev/shm`` has less room than
+        ``capacity_bytes`` the tier is sized down to it, with a warning; segments that
+        dead kvstore processes left there are removed first."""
+        shm_segments.reap_stale()
         capacity = capacity_bytes - capacity_bytes % PAGE_BYTES
+        fitted = shm_segments.fit(capacity + 8 * (capacity // PAGE_BYTES))
+        # Each page of blocks takes 8 bytes of generation counter beside it.
+        capacity = min(capacity, fitted * PAGE_BYTES // (PAGE_BYTES + 8) // PAGE_BYTES * PAGE_BYTES)
+        if capacity < min(capacity_bytes, shm_segments.MIN_SEGMENT_BYTES):
+            raise TierUnavailable(
+                TierKind.DRAM.label,
+                f"{shm_segments.SHM_DIR} has no room for a DRAM tier ({capacity} bytes fit); "
+                "give it more (docker run --shm-size) or configure no DRAM tier",
+            )
         pages = capacity // PAGE_BYTES
         self.arena = SharedMemoryArena(capacity + 8 * pages, name=shm_name, prefault=prefault)
         # Where the generation counters start in the segment (clients read them there).
