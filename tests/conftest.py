@@ -12,9 +12,13 @@ from support.daemon import (  # noqa: F401  (fixtures, registered by import)
 from support.http_kv import client, ns  # noqa: F401  (fixtures of the route tests)
 from support.kv import two_level  # noqa: F401  (a DRAM + LMDB store)
 from support.redis_servers import (  # noqa: F401  (fixtures, registered by import)
+    _secure_cluster,
     clean_redis,
     clean_redis_cluster,
     redis_cluster,
     redis_server,
     redis_server_factory,
+    secure_redis_cluster,
+    tls_files,
 )
+from support.redis_tiers import make_tier  # noqa: F401  (a fixture, registered by import)

@@ -14,21 +14,29 @@ survive anyway) and dies with the process that started it
   ``redis-cli --cluster create``; slots can be migrated to exercise ``ASK``
   and ``MOVED``.
 
+Either may be secured: ``password`` starts it with ``--requirepass`` (and
+``--masterauth`` in a cluster), ``tls`` (a ``ServerTLS``) serves TLS only
+(``--port 0``, ``--tls-port``), on the cluster bus too.
+
 Health checks and set-up commands speak RESP over a raw socket
-(``resp_command``) rather than through redis-py, so no client (and no
-``ResourceWarning``) is left behind.
+(``resp_command``, which logs in and speaks TLS as the server needs) rather
+than through redis-py, so no client (and no ``ResourceWarning``) is left
+behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -41,21 +49,87 @@ REDIS_CLI = shutil.which("redis-cli")
 _INSTALL = "apt-get install redis-server"
 
 
-def resp_command(port: int, *args: str | bytes, timeout_s: float = 1.0) -> bytes:
-    """Send one command over a raw socket; return the raw reply (simple, integer, bulk)."""
+@dataclass(frozen=True, slots=True)
+class ServerTLS:
+    """What a TLS ``redis-server`` is started with: its certificate and key, and the CA
+    that signed them. ``client_certs``: clients must show a certificate signed by that
+    CA (``--tls-auth-clients yes``); this helper's own checks then show the server's."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    client_certs: bool = False
+
+    def server_args(self, port: int) -> list[str]:
+        return [
+            "--port", "0",
+            "--tls-port", str(port),
+            "--tls-cert-file", str(self.cert_file),
+            "--tls-key-file", str(self.key_file),
+            "--tls-ca-cert-file", str(self.ca_file),
+            "--tls-auth-clients", "yes" if self.client_certs else "no",
+        ]  # fmt: skip
+
+    def cli_args(self) -> list[str]:
+        """``redis-cli``'s flags to reach such a server."""
+        return [
+            "--tls",
+            "--cacert", str(self.ca_file),
+            "--cert", str(self.cert_file),
+            "--key", str(self.key_file),
+        ]  # fmt: skip
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return context
+
+
+def _encode(*args: str | bytes) -> bytes:
     parts = [f"*{len(args)}\r\n".encode()]
     for arg in args:
         raw = arg.encode() if isinstance(arg, str) else arg
         parts.append(f"${len(raw)}\r\n".encode() + raw + b"\r\n")
+    return b"".join(parts)
+
+
+def _reply(sock: socket.socket) -> bytes:
+    reply = b""
+    while not _complete(reply):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    return reply
+
+
+@contextlib.contextmanager
+def _connect(port: int, timeout_s: float, tls: ServerTLS | None) -> Iterator[socket.socket]:
     with socket.create_connection((HOST, port), timeout=timeout_s) as sock:
-        sock.sendall(b"".join(parts))
-        reply = b""
-        while not _complete(reply):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-        return reply
+        if tls is None:
+            yield sock
+            return
+        with tls.client_context().wrap_socket(sock, server_hostname=HOST) as secure:
+            yield secure
+
+
+def resp_command(
+    port: int,
+    *args: str | bytes,
+    timeout_s: float = 1.0,
+    password: str | None = None,
+    tls: ServerTLS | None = None,
+) -> bytes:
+    """Send one command over a raw socket (``AUTH password`` first, if given); return
+    the raw reply (simple, error, integer, bulk), or ``AUTH``'s if it was refused."""
+    with _connect(port, timeout_s, tls) as sock:
+        if password is not None:
+            sock.sendall(_encode("AUTH", password))
+            login = _reply(sock)
+            if not login.startswith(b"+OK"):
+                return login
+        sock.sendall(_encode(*args))
+        return _reply(sock)
 
 
 def _complete(reply: bytes) -> bool:
@@ -82,6 +156,8 @@ class RedisServer:
         *,
         port: int | None = None,
         extra_args: Sequence[str] = (),
+        password: str | None = None,
+        tls: ServerTLS | None = None,
     ) -> None:
         if REDIS_SERVER is None:
             raise ConfigError(f"redis-server is not installed ({_INSTALL})")
@@ -94,11 +170,15 @@ class RedisServer:
             port = free_port(cluster_bus="--cluster-enabled" in extra_args)
         self.port = port
         self.extra_args = list(extra_args)
+        self.password = password
+        self.tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        """``redis://`` (``rediss://`` under TLS) without credentials."""
+        scheme = "redis" if self.tls is None else "rediss"
+        return f"{scheme}://{HOST}:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -109,14 +189,17 @@ class RedisServer:
         if self.running:
             return
         assert REDIS_SERVER is not None
+        listen = ["--port", str(self.port)] if self.tls is None else self.tls.server_args(self.port)
+        login = [] if self.password is None else ["--requirepass", self.password]
         argv = [
             REDIS_SERVER,
-            "--port", str(self.port),
+            *listen,
             "--bind", HOST,
             "--save", "",
             "--appendonly", "no",
             "--daemonize", "no",
             "--dir", str(self.directory),
+            *login,
             *self.extra_args,
         ]  # fmt: skip
         # A session of its own: a Ctrl-C at the terminal reaches only the parent, which
@@ -130,7 +213,7 @@ class RedisServer:
                     "redis", f"redis-server on port {self.port} exited: {self.log_tail()}"
                 )
             with contextlib.suppress(OSError):
-                if resp_command(self.port, "PING").startswith(b"+PONG"):
+                if self.command("PING").startswith(b"+PONG"):
                     return
             time.sleep(0.02)
         self.stop()
@@ -147,6 +230,12 @@ class RedisServer:
             stop_process(self._proc)
         self._proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies as in a crash, its clients' sockets reset."""
+        assert self._proc is not None
+        self._proc.kill()
+        self._forget()
+
     def pause(self) -> None:
         """SIGSTOP: the port still accepts connections but nothing answers (a hung server)."""
         assert self._proc is not None
@@ -158,7 +247,7 @@ class RedisServer:
 
     def command(self, *args: str | bytes) -> bytes:
         """Raw RESP reply of one command (for test set-up: FLUSHALL, CONFIG SET...)."""
-        return resp_command(self.port, *args)
+        return resp_command(self.port, *args, password=self.password, tls=self.tls)
 
     def flushall(self) -> None:
         reply = self.command("FLUSHALL")
@@ -191,7 +280,14 @@ class RedisServer:
 class RedisCluster:
     """Three cluster-enabled masters, no replicas, slots spread by ``redis-cli``."""
 
-    def __init__(self, directory: Path | None = None, *, masters: int = 3) -> None:
+    def __init__(
+        self,
+        directory: Path | None = None,
+        *,
+        masters: int = 3,
+        password: str | None = None,
+        tls: ServerTLS | None = None,
+    ) -> None:
         if REDIS_CLI is None:
             raise ConfigError(f"redis-cli is not installed ({_INSTALL})")
         self._own_dir = directory is None
@@ -199,7 +295,12 @@ class RedisCluster:
             directory = Path(tempfile.mkdtemp(prefix="kvs-cluster-"))
         self.directory = directory
         self.nodes: list[RedisServer] = []
+        self.password = password
+        self.tls = tls
         self._created = False
+        secured = [] if password is None else ["--masterauth", password]
+        if tls is not None:
+            secured += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         for index in range(masters):
             node_dir = self.directory / f"node{index}"
             port = free_port(cluster_bus=True)
@@ -214,7 +315,10 @@ class RedisCluster:
                         f"nodes-{port}.conf",
                         "--cluster-node-timeout",
                         "15000",
+                        *secured,
                     ),
+                    password=password,
+                    tls=tls,
                 )  # fmt: skip
             )
 
@@ -237,15 +341,20 @@ class RedisCluster:
         for node in self.nodes:
             node.start()
         if not self._created:
+            cli_env = dict(os.environ)
+            if self.password is not None:
+                cli_env["REDISCLI_AUTH"] = self.password  # not on the command line
             subprocess.run(
                 [
-                    REDIS_CLI, "--cluster", "create",
+                    REDIS_CLI, *([] if self.tls is None else self.tls.cli_args()),
+                    "--cluster", "create",
                     *self.startup_nodes,
                     "--cluster-replicas", "0", "--cluster-yes",
                 ],
                 check=True,
                 capture_output=True,
                 timeout=timeout_s,
+                env=cli_env,
             )  # fmt: skip
             self._created = True
         deadline = time.monotonic() + timeout_s

@@ -9,7 +9,7 @@ without Redis never imports redis-py, and one without HBM never needs CUDA.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from kvstore.config import check_switch, expand_path, field_kinds, parse_size
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import Tier
 from kvstore.tiers.kinds import TIERS, TierKind
+from kvstore.tiers.redis_access import RedisAccess, split_url
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,40 @@ class TierConfig:
     ttl_s: int | None = None
     socket_timeout_s: float = 2.0
     connect_timeout_s: float = 1.0
+    # redis AUTH and TLS (``kvstore.tiers.redis_access``); a URL may carry them too
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
+    def __post_init__(self) -> None:
+        # Credentials written into ``url`` or ``nodes`` move to ``username`` and
+        # ``password`` (which must agree with them), so neither field ever holds a
+        # secret and no repr or log line of a config shows one.
+        urls = [self.url] if self.url else []
+        clean, access = split_url([*urls, *self.nodes], self.redis_access())
+        if self.url:
+            object.__setattr__(self, "url", clean[0])
+        object.__setattr__(self, "nodes", tuple(clean[len(urls) :]))
+        object.__setattr__(self, "username", access.username)
+        object.__setattr__(self, "password", access.password)
+        object.__setattr__(self, "tls", access.tls)
+
+    def redis_access(self) -> RedisAccess:
+        """The redis tier's credentials and TLS settings."""
+        return RedisAccess(
+            username=self.username,
+            password=self.password,
+            tls=self.tls,
+            tls_ca_file=self.tls_ca_file,
+            tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file,
+        )
+
+
+_TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
 # How a ``KVSTORE_<TIER>_<FIELD>`` variable is read: by its field's type, under the
 # name the file uses (sizes are text: "8GiB").
@@ -73,6 +107,9 @@ def tier_config(name: str, spec: Mapping[str, Any], data_dir: Path) -> TierConfi
         values["path"] = expand_path(spec.pop("path"))
     elif kind is TierKind.SSD:
         values["path"] = data_dir / "lmdb"
+    for setting in set(_TLS_FILES) & set(spec):
+        file = spec.pop(setting)
+        values[setting] = None if file is None else expand_path(file)
     if "nodes" in spec:
         nodes = spec.pop("nodes")
         values["nodes"] = tuple(
@@ -140,6 +177,7 @@ def _open_ssd(config: TierConfig) -> Tier:
 def _check_redis(config: TierConfig) -> None:
     if not (config.nodes if config.cluster else config.url):
         raise ConfigError("the redis tier needs a url (or nodes with cluster = true)")
+    config.redis_access().check()
 
 
 def _open_redis(config: TierConfig) -> Tier:
@@ -153,6 +191,7 @@ def _open_redis(config: TierConfig) -> Tier:
         ttl_s=config.ttl_s,
         socket_timeout_s=config.socket_timeout_s,
         connect_timeout_s=config.connect_timeout_s,
+        access=config.redis_access(),
     )
 
 

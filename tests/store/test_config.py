@@ -391,3 +391,61 @@ def test_env_float_values() -> None:
 def test_malformed_tier_tables_raise_config_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError):
         StoreConfig.from_toml(write(tmp_path, text))
+
+
+# --- redis credentials and TLS -----------------------------------------------------------
+
+
+def test_redis_credentials_leave_the_url_for_fields_that_repr_hides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ca.pem").write_text("a CA bundle\n")
+    text = (
+        '[tiers.redis]\nurl = "rediss://kv-user:p%40ss@cache.internal:6380/0"\n'
+        'tls_ca_file = "~/ca.pem"\n'
+    )
+    config = StoreConfig.from_toml(write(tmp_path, text))
+    redis = config.tier(TierKind.REDIS)
+    assert redis is not None
+    assert redis.url == "rediss://cache.internal:6380/0"
+    assert (redis.username, redis.password, redis.tls) == ("kv-user", "p@ss", True)
+    assert redis.tls_ca_file == tmp_path / "ca.pem"
+    assert "p@ss" not in repr(config) and "p%40ss" not in repr(config)
+    nodes = TierConfig(TierKind.REDIS, 1, nodes=("redis://:pw@h:1", "h:2"), cluster=True)
+    assert (nodes.nodes, nodes.password) == (("redis://h:1", "h:2"), "pw")
+    assert "pw" not in repr(nodes)
+
+
+def test_redis_password_and_tls_from_the_environment() -> None:
+    config = StoreConfig.from_env(
+        environ={
+            "KVSTORE_REDIS_NODES": "10.0.0.1:7000,10.0.0.2:7000",
+            "KVSTORE_REDIS_CLUSTER": "1",
+            "KVSTORE_REDIS_USERNAME": "kv-user",
+            "KVSTORE_REDIS_PASSWORD": "from-a-secret-store",
+            "KVSTORE_REDIS_TLS": "yes",
+            "KVSTORE_REDIS_TLS_CA_FILE": __file__,  # any file that exists
+        }
+    )
+    redis = config.tier(TierKind.REDIS)
+    assert redis is not None
+    assert redis.redis_access().password == "from-a-secret-store"
+    assert (redis.username, redis.tls, redis.tls_ca_file) == ("kv-user", True, Path(__file__))
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('url = "redis://:a@h/0"\npassword = "b"\n', "password differs"),
+        ('url = "redis://h/0"\ntls = true\n', "a URL says redis://"),
+        ('url = "redis://h/0"\ntls_ca_file = "/ca.pem"\n', "TLS is off"),
+        ('url = "rediss://h/0"\ntls_ca_file = "/no/such/ca.pem"\n', "is not a file"),
+        ('url = "rediss://h/0"\ntls = "yes"\n', "tls must be true or false"),
+    ],
+)
+def test_redis_access_that_cannot_work_is_a_config_error(
+    tmp_path: Path, text: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        StoreConfig.from_toml(write(tmp_path, "[tiers.redis]\n" + text))

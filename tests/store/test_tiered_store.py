@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 import torch
 from support import TESTS, kv
 from support.kv import assert_chunks_equal
+from support.redis_servers import CLUSTER_PASSWORD
+from support.redis_tiers import redis_key
 
 from kvstore import (
     AsyncTieredStore,
@@ -330,6 +333,50 @@ def test_store_over_a_redis_cluster(clean_redis_cluster) -> None:
         store.put(ns, kv.tokens(12), data)
         prefix = store.lookup(ns, kv.tokens(12))
         assert prefix.tiers == (DRAM, DRAM) + (REDIS,) * 10
+        assert_chunks_equal(store, ns, list(prefix.keys), data)
+
+
+@pytest.mark.cluster
+def test_store_over_a_redis_cluster_with_a_dead_master(clean_redis_cluster) -> None:
+    """Chunks on the healthy masters are still served when one master is killed."""
+    cluster_tier = dataclasses.replace(
+        kv.redis("unused"), url=None, nodes=tuple(clean_redis_cluster.startup_nodes), cluster=True
+    )
+    with TieredStore(kv.config(cluster_tier)) as store:
+        ns = kv.namespace()
+        data = kv.chunks(12)
+        store.put(ns, kv.tokens(12), data)
+        keys = store.keys_for(ns, kv.tokens(12))
+        victim = clean_redis_cluster.nodes[0]
+        owners = [clean_redis_cluster.port_for_key(redis_key(ns, key)) for key in keys]
+        assert 0 < owners.count(victim.port) < len(keys)
+        victim.kill()
+        try:
+            got = store.get(ns, keys)
+        finally:
+            clean_redis_cluster.start()
+        assert [chunk is not None for chunk in got] == [port != victim.port for port in owners]
+        for chunk, tensor in zip(got, data, strict=True):
+            assert chunk is None or torch.equal(chunk.tensor(), tensor)
+
+
+@pytest.mark.cluster
+def test_store_over_a_cluster_with_a_password_and_tls(secure_redis_cluster, tls_files) -> None:
+    cluster_tier = dataclasses.replace(
+        kv.redis("unused"),
+        url=None,
+        nodes=tuple(
+            f"rediss://:{CLUSTER_PASSWORD}@{node}" for node in secure_redis_cluster.startup_nodes
+        ),
+        cluster=True,
+        tls_ca_file=tls_files.ca,
+    )
+    with TieredStore(kv.config(kv.dram(2), cluster_tier)) as store:
+        ns = kv.namespace()
+        data = kv.chunks(8)
+        store.put(ns, kv.tokens(8), data)
+        prefix = store.lookup(ns, kv.tokens(8))
+        assert prefix.tiers == (DRAM, DRAM) + (REDIS,) * 6
         assert_chunks_equal(store, ns, list(prefix.keys), data)
 
 

@@ -3,70 +3,31 @@
 Standalone tests share the session server (flushed per test, ``clean_redis``);
 tests that stop, pause or fill Redis get a private server of their own.
 Cluster tests run against three local masters (``clean_redis_cluster``).
+Credentials and TLS are ``test_redis_access.py``'s.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import numpy as np
 import pytest
+from support.redis_tiers import CAPACITY, NS, OTHER_NS, MakeTier, make_blocks, redis_key
 
-from kvstore.block import Block, check_identity, encode_block, verify_block
+from kvstore.block import Block, check_identity, verify_block
 from kvstore.errors import ConfigError, TierFull, TierUnavailable
-from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.keys import ChunkKey, KVLayout, Namespace
 from kvstore.processes import free_port
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.local_redis import RedisCluster, RedisServer
 from kvstore.tiers.redis_tier import RedisTier
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
-NS = Namespace("test-model", LAYOUT)
-OTHER_NS = Namespace("test-model", LAYOUT, tenant_salt="other-tenant")
-CAPACITY = 1 << 30
-
-MakeTier = Callable[..., RedisTier]
-
-
-def make_blocks(namespace: Namespace, n: int, *, seed: int = 0) -> list[tuple[ChunkKey, Block]]:
-    """``n`` chained chunks with random payloads, encoded as the store would."""
-    layout = namespace.layout
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 50_000, size=n * layout.chunk_tokens)
-    blocks: list[tuple[ChunkKey, Block]] = []
-    parent: ChunkKey | None = None
-    for key in chunk_keys(namespace, tokens):
-        payload = rng.integers(0, 256, size=layout.chunk_nbytes, dtype=np.uint8).tobytes()
-        blocks.append((key, encode_block(namespace, key, parent, memoryview(payload))))
-        parent = key
-    return blocks
-
-
-def redis_key(namespace: Namespace, key: ChunkKey, prefix: str = "kvs") -> bytes:
-    return f"{prefix}:{namespace.digest.hex()}:".encode() + key
 
 
 def integer_reply(reply: bytes) -> int:
     assert reply.startswith(b":"), reply
     return int(reply[1:].strip())
-
-
-@pytest.fixture
-def make_tier() -> Iterator[MakeTier]:
-    """Build tiers that are always closed after the test (no ResourceWarning)."""
-    tiers: list[RedisTier] = []
-
-    def make(url_or_nodes: str | list[str], **kwargs: object) -> RedisTier:
-        tier = RedisTier(url_or_nodes, kwargs.pop("capacity_bytes", CAPACITY), **kwargs)
-        tiers.append(tier)
-        return tier
-
-    yield make
-    for tier in tiers:
-        tier.close()
 
 
 # ------------------------------------------------------------------ standalone
@@ -366,10 +327,24 @@ def test_cluster_contains_delete_scan(
     assert tier.used_bytes() == sum(b.nbytes for _, b in items[25:])
 
 
+def served_exactly(
+    values: list[Buffer | None], items: list[tuple[ChunkKey, Block]], lost: list[bool]
+) -> bool:
+    """Every key on a lost master is a miss; every other one is its block, byte for byte."""
+    expected = [None if gone else b.to_bytes() for (_, b), gone in zip(items, lost, strict=True)]
+    return [None if v is None else bytes(v) for v in values] == expected
+
+
 @pytest.mark.cluster
-def test_cluster_master_down_or_hung_then_back(
-    clean_redis_cluster: RedisCluster, make_tier: MakeTier
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_cluster_batch_degrades_per_master(
+    clean_redis_cluster: RedisCluster,
+    make_tier: MakeTier,
+    caplog: pytest.LogCaptureFixture,
+    fault: str,
 ) -> None:
+    """A batch touching one dead (SIGKILL) or hung (SIGSTOP) master still serves the
+    healthy masters' keys, and the failure is counted and logged once per master."""
     tier = make_tier(
         clean_redis_cluster.startup_nodes,
         cluster=True,
@@ -380,34 +355,46 @@ def test_cluster_master_down_or_hung_then_back(
     keys = [key for key, _ in items]
     tier.put_many(NS.digest, items)
     victim = clean_redis_cluster.nodes[1]
-    on_victim = [clean_redis_cluster.port_for_key(redis_key(NS, k)) == victim.port for k in keys]
-    assert sum(on_victim) > 3
-
-    # Hung master: one timeout per batch, not one per key on that master
-    # (redis-py's own pipeline retry would take about n x the socket timeout).
-    victim.pause()
-    try:
-        assert_unavailable_quickly(lambda: tier.get_many(NS.digest, keys))
-        assert_unavailable_quickly(lambda: tier.put_many(NS.digest, items))
-        assert_unavailable_quickly(lambda: tier.contains_many(NS.digest, keys))
-    finally:
-        victim.resume()
-    assert tier.contains_many(NS.digest, keys) == [True] * 30
-
-    # Dead master: a batch touching it fails as a whole, quickly.
-    victim.stop()
-    try:
-        assert_unavailable_quickly(lambda: tier.get_many(NS.digest, keys))
-        assert_unavailable_quickly(lambda: tier.put_many(NS.digest, items))
-        assert_unavailable_quickly(lambda: tier.delete_many(NS.digest, keys))
-    finally:
-        clean_redis_cluster.start()  # the node rejoins with its slots, empty
-
-    assert tier.contains_many(NS.digest, keys) == [not lost for lost in on_victim]
-    tier.put_many(NS.digest, items)
-    assert [bytes(v) for v in tier.get_many(NS.digest, keys) if v is not None] == [
-        b.to_bytes() for _, b in items
+    victim_name = f"127.0.0.1:{victim.port}"
+    lost = [clean_redis_cluster.port_for_key(redis_key(NS, k)) == victim.port for k in keys]
+    assert 3 < sum(lost) < len(keys) - 3
+    fresh = make_blocks(NS, 30, seed=40)
+    fresh_lost = [
+        clean_redis_cluster.port_for_key(redis_key(NS, k)) == victim.port for k, _ in fresh
     ]
+    victim_only = [key for key, gone in zip(keys, lost, strict=True) if gone]
+
+    batches = 3  # a bounded fault loop: each pass at most one timeout, not one per key
+    victim.kill() if fault == "killed" else victim.pause()
+    try:
+        with caplog.at_level("INFO", logger="kvstore.tiers.redis_tier"):
+            for _ in range(batches):
+                start = time.monotonic()
+                assert served_exactly(tier.get_many(NS.digest, keys), items, lost)
+                assert time.monotonic() - start < BOUND_S
+            assert tier.contains_many(NS.digest, keys) == [not gone for gone in lost]
+            with pytest.raises(TierUnavailable, match=victim_name):
+                tier.put_many(NS.digest, fresh)  # ...but the healthy masters took theirs
+            assert served_exactly(
+                tier.get_many(NS.digest, [k for k, _ in fresh]), fresh, fresh_lost
+            )
+            # A batch on the lost master alone reached nobody: the tier is down for it.
+            assert_unavailable_quickly(lambda: tier.get_many(NS.digest, victim_only))
+            assert tier.unreachable_nodes() == {victim_name}
+            assert tier.node_failures == batches + 4
+            warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+            assert len(warnings) == 1 and victim_name in warnings[0].getMessage()
+    finally:
+        victim.resume() if fault == "hung" else clean_redis_cluster.start()
+
+    # Back: a killed master rejoins empty (no persistence), a resumed one as it was.
+    with caplog.at_level("INFO", logger="kvstore.tiers.redis_tier"):
+        values = tier.get_many(NS.digest, keys)
+    assert served_exactly(values, items, lost if fault == "killed" else [False] * len(keys))
+    assert tier.unreachable_nodes() == frozenset()
+    assert any("answers again" in r.getMessage() for r in caplog.records)
+    tier.put_many(NS.digest, items)
+    assert served_exactly(tier.get_many(NS.digest, keys), items, [False] * len(keys))
 
 
 @pytest.mark.cluster
