@@ -41,17 +41,17 @@ than an error. In a cluster a master that is down, hung or answering
 hung master: one socket timeout, plus one more if redis-py refreshes its slot
 map from it; see ``_run_cluster`` for the redis-py pipeline behaviour this
 avoids): its keys are misses (``get_many``, ``contains_many``), not stored
-(``put_many`` stores and accounts the rest, then raises ``TierUnavailable``
-naming the master) or not deleted, while the other masters' keys are served
-as usual. The failure is counted once per master per batch
-(``node_failures``) and logged once when a master stops answering and once
-when it is back, never per key. Only a batch that reached no master raises
-from a read. After ``cluster-node-timeout`` the healthy masters of a cluster
-without replicas answer ``CLUSTERDOWN`` to everything unless it runs with
-``cluster-require-full-coverage no``. The same client reconnects by itself
-once Redis is back. ``-OOM`` replies (``maxmemory`` with ``noeviction``)
-become ``TierFull``. A refused login (wrong password or user, no password)
-is not a down master: it fails the whole batch, saying so. All redis-py
+(``put_many`` stores and accounts the rest, then raises ``TierRefused`` naming
+the master, or ``TierUnavailable`` if no master stored any) or not deleted,
+while the other masters' keys are served as usual. The failure is counted once
+per master per batch (``node_failures``) and logged once when a master stops
+answering and once when it is back, never per key. Only a batch that reached
+no master raises from a read. After ``cluster-node-timeout`` the healthy
+masters of a cluster without replicas answer ``CLUSTERDOWN`` to everything
+unless it runs with ``cluster-require-full-coverage no``. The same client
+reconnects by itself once Redis is back. ``-OOM`` replies (``maxmemory`` with
+``noeviction``) become ``TierFull``. A refused login (wrong password or user,
+no password) is not a down master: it fails the whole batch, saying so. All redis-py
 exceptions are translated here and nowhere else.
 
 Credentials and TLS (``RedisAccess``, ``kvstore.tiers.redis_access``) are the
@@ -83,7 +83,7 @@ from redis.cluster import PipelineCommand
 from redis.retry import Retry
 
 from kvstore.block import HEADER_BYTES, Block
-from kvstore.errors import ConfigError, TierFull, TierUnavailable
+from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
 from kvstore.tiers.kinds import TierKind
@@ -470,8 +470,11 @@ class RedisTier:
             with _backend_errors("put_many"):
                 raise refused
         if unreached:
+            # Some masters stored their share: the tier is up in part, and its breaker
+            # (``kvstore.store.breaker``) must not take the healthy masters out with it.
+            partial = TierRefused if len(unreached) < len(items) else TierUnavailable
             nodes = ", ".join(sorted({result.node for result in unreached}))
-            raise TierUnavailable(
+            raise partial(
                 _TIER,
                 f"put_many: {len(unreached)} of {len(items)} blocks not stored: "
                 f"master(s) {nodes} did not answer",

@@ -16,7 +16,7 @@ import pytest
 from support.redis_tiers import CAPACITY, NS, OTHER_NS, MakeTier, make_blocks, redis_key
 
 from kvstore.block import Block, check_identity, verify_block
-from kvstore.errors import ConfigError, TierFull, TierUnavailable
+from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace
 from kvstore.processes import free_port
 from kvstore.tiers.base import Buffer, Tier
@@ -373,7 +373,7 @@ def test_cluster_batch_degrades_per_master(
                 assert served_exactly(tier.get_many(NS.digest, keys), items, lost)
                 assert time.monotonic() - start < BOUND_S
             assert tier.contains_many(NS.digest, keys) == [not gone for gone in lost]
-            with pytest.raises(TierUnavailable, match=victim_name):
+            with pytest.raises(TierRefused, match=victim_name):
                 tier.put_many(NS.digest, fresh)  # ...but the healthy masters took theirs
             assert served_exactly(
                 tier.get_many(NS.digest, [k for k, _ in fresh]), fresh, fresh_lost
