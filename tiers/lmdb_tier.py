@@ -31,6 +31,9 @@ How this tier uses it, and why:
   A full disk (``DiskError``) aborts the batch the same way and becomes
   ``TierRefused``: the store keeps what it wanted to write elsewhere, and reads
   go on.
+* **One owner, damage moved aside** (``tiers.lmdb_directory``). A second
+  kvstore process opening the directory fails at once; an environment LMDB
+  cannot open or read is renamed out of the way and the tier starts empty.
 * **Stale readers are reaped at open.** A process killed inside a read
   transaction leaves its slot in the shared reader table; LMDB then keeps every
   page that reader could see, so freed pages are never reused and the file
@@ -65,6 +68,7 @@ import numpy as np
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
+from kvstore.tiers import lmdb_directory
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
 from kvstore.tiers.kinds import TierKind
 
@@ -72,6 +76,13 @@ logger = logging.getLogger(__name__)
 
 _NAME = TierKind.SSD.label
 _MIB = 1 << 20
+# What a damaged environment raises: a bad meta page, a broken tree, a foreign file.
+_DAMAGED = (
+    lmdb.InvalidError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.VersionMismatchError,
+)
 # Headroom for what LMDB stores besides the values: branch and leaf pages,
 # overflow pages rounded up to whole pages, the free list, and the pages that
 # copy-on-write keeps alive while a reader still sees them.
@@ -122,10 +133,31 @@ class LMDBTier:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0
+        path = Path(path)
+        map_size = map_size if map_size is not None else default_map_size(capacity_bytes)
+        self._claim = lmdb_directory.claim(path)
+        try:
+            env = self._open(path, map_size, sync, max_readers)
+        except _DAMAGED as exc:  # a cache starts empty rather than not at all
+            lmdb_directory.release(self._claim)
+            lmdb_directory.move_aside(path, exc)
+            self._claim = lmdb_directory.claim(path)
+            env = self._open(path, map_size, sync, max_readers)
+        except BaseException:
+            lmdb_directory.release(self._claim)
+            raise
+        lmdb_directory.warn_about_room(path, capacity_bytes, map_size)
+        if self.stale_readers_cleared:
+            logger.warning("cleared %d stale LMDB readers at %s", self.stale_readers_cleared, path)
+        self._env: lmdb.Environment | None = env
+
+    def _open(self, path: Path, map_size: int, sync: bool, max_readers: int) -> lmdb.Environment:
+        """Open the environment and read its accounting; ``_DAMAGED`` errors propagate
+        as they are (the caller moves the directory aside), others as ``TierUnavailable``."""
         try:
             env = lmdb.open(
                 str(path),
-                map_size=map_size if map_size is not None else default_map_size(capacity_bytes),
+                map_size=map_size,
                 subdir=True,
                 sync=sync,
                 # Blocks are read at random and are large; readahead would
@@ -137,6 +169,8 @@ class LMDBTier:
                 max_readers=max_readers,
                 max_dbs=0,
             )
+        except _DAMAGED:
+            raise
         except (lmdb.Error, OSError) as exc:
             raise TierUnavailable(_NAME, f"cannot open LMDB at {path}: {exc}") from exc
         try:
@@ -147,12 +181,13 @@ class LMDBTier:
             # call frees the slots of dead processes.
             self.stale_readers_cleared: int = env.reader_check()
             self._used = _sum_value_lengths(env)
+        except _DAMAGED:
+            env.close()
+            raise
         except lmdb.Error as exc:
             env.close()
             raise TierUnavailable(_NAME, f"cannot read LMDB at {path}: {exc}") from exc
-        if self.stale_readers_cleared:
-            logger.warning("cleared %d stale LMDB readers at %s", self.stale_readers_cleared, path)
-        self._env: lmdb.Environment | None = env
+        return env
 
     def put_many(self, namespace: bytes, items: Sequence[tuple[ChunkKey, Block]]) -> None:
         lkeys = [_lmdb_key(namespace, key) for key, _ in items]
@@ -243,6 +278,7 @@ class LMDBTier:
                 self._idle.wait()
         if env is not None:
             env.close()
+            lmdb_directory.release(self._claim)
 
     def _scan_page(self, after: bytes | None) -> list[StoredBlockInfo]:
         with self._session() as env, env.begin(buffers=True) as txn:
