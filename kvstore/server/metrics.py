@@ -96,6 +96,11 @@ _STORE_COUNTERS = (
     ("kvstore_puts", "puts", "Put requests served."),
     ("kvstore_chunks_stored", "chunks_stored", "Chunks newly stored by puts."),
     ("kvstore_puts_dropped", "puts_dropped", "Chunks a put could not place in any tier."),
+    (
+        "kvstore_namespaces_forgotten",
+        "namespaces_forgotten",
+        "Namespaces a full table forgot (least recently named first; clients re-register).",
+    ),
 )
 
 

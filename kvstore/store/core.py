@@ -24,6 +24,7 @@ read in progress cannot lose its block.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 
@@ -60,6 +61,10 @@ class StoreCore:
         # Owns the checksum worker thread; safe to call without the lock.
         self.reader = BlockReader()
         self._namespaces: dict[bytes, Namespace] = {}  # digest -> namespace; under ``lock``
+        # digest -> when last named (a tick of ``_uses``); written without the lock, as a
+        # dict assignment is atomic, and read under it to pick the namespace to forget.
+        self._last_used: dict[bytes, int] = {}
+        self._uses = itertools.count()
         self._closed = False  # set once, under ``lock``, by ``close``
         tiers: dict[TierKind, GuardedTier] = {}
         codecs: dict[TierKind, CodecSpec] = {}
@@ -85,17 +90,32 @@ class StoreCore:
 
     # -- namespaces and keys ----------------------------------------------------
 
-    def register(self, namespace: Namespace) -> None:
-        """Make ``namespace`` known (every call that takes one does this first)."""
+    def register(self, namespace: Namespace, limit: int | None = None) -> Namespace | None:
+        """Make ``namespace`` known (every call that takes one does this first). With
+        ``limit``, a table that holds that many already forgets the namespace named least
+        recently, which is returned: its blocks stay where they are, and a client that
+        names it again is told it is unknown and registers it again (``kvstore.client``)."""
         with self.lock:
-            self._namespaces.setdefault(namespace.digest, namespace)
+            self._last_used[namespace.digest] = next(self._uses)
+            if namespace.digest in self._namespaces:
+                return None
+            forgotten = None
+            if limit is not None and len(self._namespaces) >= limit:
+                digest = min(self._namespaces, key=lambda d: self._last_used.get(d, -1))
+                forgotten = self._namespaces.pop(digest)
+                self._last_used.pop(digest, None)
+                self.stats.namespaces_forgotten += 1
+            self._namespaces[namespace.digest] = namespace
+            return forgotten
 
     def namespace(self, digest: bytes) -> Namespace:
         """The registered namespace with this digest; ``UnknownNamespace`` otherwise."""
         try:
-            return self._namespaces[digest]
+            namespace = self._namespaces[digest]
         except KeyError:
             raise UnknownNamespace(f"namespace {digest.hex()} is not registered") from None
+        self._last_used[digest] = next(self._uses)
+        return namespace
 
     def registered_namespaces(self) -> list[Namespace]:
         with self.lock:

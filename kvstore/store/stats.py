@@ -44,6 +44,7 @@ class StoreStats:
     puts: int = 0
     chunks_stored: int = 0
     puts_dropped: int = 0
+    namespaces_forgotten: int = 0  # by a full namespace table, least recently named first
     tiers: dict[TierKind, TierCounters] = field(default_factory=dict)
 
     def tier(self, kind: TierKind) -> TierCounters:

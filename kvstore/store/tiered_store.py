@@ -65,9 +65,11 @@ class TieredStore(Closing):
 
     # -- namespaces -------------------------------------------------------
 
-    def register(self, namespace: Namespace) -> None:
-        """Make ``namespace`` known (done implicitly by every call that takes one)."""
-        self.core.register(namespace)
+    def register(self, namespace: Namespace, *, limit: int | None = None) -> Namespace | None:
+        """Make ``namespace`` known (done implicitly by every call that takes one); with
+        ``limit``, forget the least recently named one first when that many are known, and
+        return it (``StoreCore.register``)."""
+        return self.core.register(namespace, limit)
 
     def namespace(self, digest: bytes) -> Namespace:
         """The registered namespace with this digest; ``UnknownNamespace`` otherwise."""

@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from support import REPO, http_kv
+from support import REPO, http_kv, kv
 from support.daemon import Daemon
 from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, put_raw, register
 
+from kvstore import connect
 from kvstore.block import HEADER_BYTES, frame_block, parse_header, stored_block
+from kvstore.client import ClientStats
 from kvstore.keys import Namespace
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, block_entries, encode_frames
-from kvstore.wire.messages import namespace_to_json
 
 ROOT = REPO
 
@@ -325,13 +326,41 @@ def test_no_pickle_anywhere() -> None:
     assert offenders == []
 
 
-def test_registered_namespaces_are_bounded(daemon_factory: Callable[..., Daemon]) -> None:
+def test_a_full_namespace_table_forgets_the_least_recently_named(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Bounded, but never refused: the third namespace is registered and the one named
+    least recently is forgotten; naming that one again says it is unknown."""
     instance = daemon_factory(daemon={"max_namespaces": 2})
+    first, second, third = (http_kv.namespace_for(name) for name in ("first", "second", "third"))
     with instance.client() as client:
-        register(client, http_kv.namespace_for("first"))
-        register(client, http_kv.namespace_for("second"))
-        register(client, http_kv.namespace_for("first"))  # known: still fine
-        third = http_kv.namespace_for("third")
-        response = client.post("/v1/namespaces", json=namespace_to_json(third))
-        assert response.status_code == 413
-        assert error_code(response) == "request_too_large"
+        register(client, first)
+        register(client, second)
+        register(client, first)  # known: named again, so second is now the oldest
+        register(client, third)
+        answer = client.post("/v1/lookup", json={"namespace": second.digest.hex(), "keys": []})
+        assert (answer.status_code, error_code(answer)) == (404, "unknown_namespace")
+        for known in (first, third):
+            answer = client.post("/v1/lookup", json={"namespace": known.digest.hex(), "keys": []})
+            assert answer.status_code == 200
+        stats = client.get("/v1/stats").json()["store"]
+        assert stats["namespaces_forgotten"] == 1
+
+
+def test_clients_of_more_namespaces_than_the_table_holds_never_see_an_error(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Five engines' namespaces through a table of two: each client re-registers when its
+    namespace was forgotten, and every lookup finds what it put."""
+    instance = daemon_factory(daemon={"max_namespaces": 2})
+    namespaces = [kv.namespace(salt=f"tenant-{n}") for n in range(5)]
+    with connect(instance.url) as store:
+        for rounds in range(3):
+            for n, namespace in enumerate(namespaces):
+                tokens = kv.tokens(2, start=1000 * n)
+                if rounds == 0:
+                    assert store.put(namespace, tokens, kv.chunks(2, seed=n)) == 2
+                assert store.lookup(namespace, tokens).num_chunks == 2
+        assert store.client_stats() == ClientStats()  # nothing degraded, nothing raised
+    with instance.client() as client:
+        assert client.get("/v1/stats").json()["store"]["namespaces_forgotten"] >= 10
