@@ -62,6 +62,11 @@ class CircuitBreaker:
         self.refused = 0  # calls answered without the backend
         self.opened_at: float | None = None
 
+    def probe(self) -> bool:
+        """Call the probe once, on the caller's thread (raises as the backend does)."""
+        self._probe()
+        return True
+
     @property
     def is_open(self) -> bool:
         return self._open

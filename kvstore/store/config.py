@@ -126,6 +126,8 @@ class CostModel:
 class StoreConfig:
     """Settings of a ``TieredStore``; ``tiers`` is ordered fastest first.
 
+    ``flush_on_close``: closing the store writes the blocks only its memory tiers
+    hold into its first persistent tier, so that it reopens with them.
     ``breaker_min_open_s`` / ``breaker_max_open_s``: after a tier's backend fails,
     how long its calls are answered as misses before the first probe, and at most
     between probes while it stays down (``kvstore.store.breaker``).
@@ -139,6 +141,7 @@ class StoreConfig:
     scrub_interval_s: float | None = None
     data_dir: Path = field(default_factory=default_cache_dir)
     costs: CostModel = field(default_factory=CostModel)
+    flush_on_close: bool = True
     breaker_min_open_s: float = 0.5
     breaker_max_open_s: float = 10.0
 

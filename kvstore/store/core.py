@@ -84,6 +84,9 @@ class StoreCore:
             tiers, codecs, self.index, policy if policy is not None else LRUPolicy(), self.stats
         )
         self.has_shared_tier = any(kind.shared for kind in tiers)
+        for kind, guarded in tiers.items():
+            if kind.shared:  # a remote tier: say now if it is not there
+                guarded.check()
         if config.scan_on_open:
             with self.lock:
                 self.placement.rebuild_index()

@@ -13,6 +13,7 @@ counted failure that trips nothing: the tier still serves reads.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -25,6 +26,7 @@ from kvstore.store.stats import TierCounters
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, Tier
 
 _T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 
 # What a probe asks a tripped tier: whether it holds a key nobody stores.
 _PROBE_NAMESPACE = bytes(KEY_BYTES)
@@ -88,6 +90,17 @@ class GuardedTier:
             self._failed()
             return False
         return True
+
+    def check(self) -> bool:
+        """Ask the backend whether it answers (a start-up check); if not, say so and trip
+        the breaker, so the store starts on its other tiers and recovers on its own."""
+        if self._guard(self.breaker.probe) is not None:
+            return True
+        logger.warning(
+            "tier %s does not answer at start: serving without it until it does",
+            self.kind.label,
+        )
+        return False
 
     def used_bytes(self) -> int:
         return self._guard(self.tier.used_bytes) or 0

@@ -122,3 +122,20 @@ def test_a_dram_hit_does_not_wait_on_a_hung_redis(redis_server_factory) -> None:
         assert p99_during <= max(2 * p99_normal, p99_normal + 0.005), (p99_normal, p99_during)
         kv.wait_until_up(store, REDIS)
         assert store.lookup(ns, cold[0]).tiers == (REDIS, REDIS)
+
+
+def test_a_redis_down_at_start_is_reported_and_joins_when_it_comes_up(
+    redis_server_factory, caplog
+) -> None:
+    server: RedisServer = redis_server_factory()
+    server.stop()  # its port stays reserved for it: nothing listens there now
+    ns = kv.namespace()
+    caplog.set_level("WARNING", logger="kvstore.store.guarded")
+    with TieredStore(kv.config(kv.dram(2), kv.redis(server.url))) as store:
+        assert any("does not answer at start" in r.getMessage() for r in caplog.records)
+        assert store.stats().tiers[REDIS].down
+        assert store.put(ns, kv.tokens(2), kv.chunks(2)) == 2  # DRAM serves meanwhile
+        server.start()
+        kv.wait_until_up(store, REDIS)
+        store.put(ns, kv.tokens(3, start=100), kv.chunks(3))  # pushes DRAM's two down
+        assert store.lookup(ns, kv.tokens(2)).tiers == (REDIS, REDIS)

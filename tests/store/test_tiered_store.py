@@ -621,3 +621,21 @@ def test_write_back_copies_down_and_keeps_the_fast_copy(tmp_path: Path) -> None:
         store.demote(ns, keys)  # leaving HBM now writes nothing: DRAM holds them
         assert store.stats().tier(TierKind.DRAM).bytes_written == written
         assert store.lookup(ns, tokens).tiers == (TierKind.DRAM,) * 3
+
+
+def test_close_writes_what_only_memory_holds_so_a_reopened_store_has_it(tmp_path: Path) -> None:
+    ns = kv.namespace()
+    data = kv.chunks(3)
+    config = kv.config(kv.dram(8), kv.ssd(tmp_path / "lmdb"))
+    with TieredStore(config) as store:
+        store.put(ns, kv.tokens(3), data)  # fits DRAM: nothing written to SSD yet
+        assert store.lookup(ns, kv.tokens(3)).tiers == (DRAM,) * 3
+        assert store.stats().tiers[SSD].blocks == 0
+    with TieredStore(config) as reopened:
+        assert reopened.lookup(ns, kv.tokens(3)).tiers == (SSD,) * 3
+        assert_chunks_equal(reopened, ns, reopened.keys_for(ns, kv.tokens(3)), data)
+    unflushed = dataclasses.replace(config, flush_on_close=False)
+    with TieredStore(unflushed) as store:
+        store.put(ns, kv.tokens(2, start=900), kv.chunks(2))
+    with TieredStore(unflushed) as reopened:
+        assert reopened.lookup(ns, kv.tokens(2, start=900)).num_chunks == 0
