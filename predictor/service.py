@@ -25,7 +25,10 @@ The clock. Every time the predictor reads is an event's time (Unix seconds,
 sent by the client) or the event clock: the latest event time seen, advanced
 by the daemon's monotonic clock since. With clients on the daemon's clock the
 two agree; a replayed or test stream of events with times of its own keeps
-its own clock, and ticks and labels stay consistent with it.
+its own clock, and ticks and labels stay consistent with it. (The daemon
+refuses event times far from its own clock unless its config widens the
+window, ``DaemonConfig.event_time_*``: one event stamped far ahead would
+otherwise label every pending forecast at once.)
 
 The model lives in ``<data_dir>/predictor/model.pt`` (``load_model`` says in
 which order files are tried). Threads: the queue, the clock and the counters

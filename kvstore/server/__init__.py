@@ -16,6 +16,7 @@ The whole daemon, one module per job::
     leases.py          shared-memory leases: pins given back exactly once
     event_log.py       the ring of recent session events
     metrics.py         a Prometheus registry per app; store counters read at scrape time
+    request_log.py     a refused request costs one debug line, never a traceback
     connection.py      which socket a request came in on
 
 The contract is docs/http_api.md; the bytes on the wire are ``kvstore.wire``.

@@ -17,7 +17,8 @@ Every request passes the middlewares outermost first::
 so a failure at any stage is a JSON ``{"error": {code, message}}`` with the
 status of ``wire.ERRORS``, and is counted by route and status. A bug is a
 ``500 internal`` whose traceback goes to the daemon's log, never to the
-client.
+client; a refusal (the client's mistake) is one debug line
+(``kvstore.server.request_log``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kvstore.server.connection import is_local
 from kvstore.server.event_log import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
+from kvstore.server.request_log import AIOHTTP_LOG, refused
 from kvstore.server.routes import add_routes
 from kvstore.server.serving import SharedServing
 from kvstore.server.state import (
@@ -86,6 +88,11 @@ def create_app(
             "max_field_size": config.max_field_size,
             "max_headers": config.max_headers,
             "lingering_time": _LINGERING_TIME_S,
+            # aiohttp's keep-alive timer runs from a connection's start, and from the
+            # end of each response, until the next request's headers are complete
+            # (trickled bytes do not restart it): exactly a header deadline.
+            "keepalive_timeout": config.header_timeout_s,
+            "logger": AIOHTTP_LOG,
         },
     )
     serving = SharedServing(store.core)
@@ -167,18 +174,33 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status == 404:
             message = f"no route {request.method} {request.path[:200]}"
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return error_response(code, message, status=exc.status, headers=headers)
+        return _refusal(request, code, message, status=exc.status, headers=headers)
     except KVStoreError as exc:
         code = error_code_of(exc)
         if code is ErrorCode.INTERNAL:
             log.exception("store error serving %s %s", request.method, request.path)
             return error_response(code, "internal error; see the daemon's log")
-        return error_response(code, str(exc))
+        return _refusal(request, code, str(exc))
     except ConnectionError:
         raise  # the client hung up mid-response: nobody to answer
     except Exception:
         log.exception("bug serving %s %s", request.method, request.path)
         return error_response(ErrorCode.INTERNAL, "internal error; see the daemon's log")
+
+
+def _refusal(
+    request: web.Request,
+    code: ErrorCode,
+    message: str,
+    *,
+    status: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """The error answer to a request refused for what it is (not a bug), and its one
+    debug line (``kvstore.server.request_log``)."""
+    response = error_response(code, message, status=status, headers=headers)
+    refused(f"{request.method} {request.path[:200]}", response.status, message)
+    return response
 
 
 @web.middleware

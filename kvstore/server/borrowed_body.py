@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import select
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -55,9 +57,12 @@ class SocketBody(BodyReader):
     """A body of ``length`` bytes, none read yet: what aiohttp had buffered, then the
     socket. Blocking; one worker thread at a time.
 
-    ``idle_timeout_s``: a client that sends nothing for this long is cut off.
-    ``closed()``: whether the connection was closed under us (checked between
-    polls), which ends the read as a hang-up would.
+    ``time_limit``: how long the body may take. A client that sends nothing for
+    ``idle_timeout_s`` is cut off, and so is one still sending at ``deadline_s``
+    (``request_timeout``): a client trickling a byte now and then never goes
+    quiet, yet must not hold its put slot for long. ``closed()``: whether the
+    connection was closed under us (checked between polls), which ends the read
+    as a hang-up would.
     """
 
     def __init__(
@@ -65,19 +70,22 @@ class SocketBody(BodyReader):
         sock: socket.socket,
         buffered: bytes,
         length: int,
-        idle_timeout_s: float,
+        time_limit: BodyTimeLimit,
         closed: Callable[[], bool],
     ) -> None:
         super().__init__(buffered, length)
         self._sock = sock
-        self._idle_timeout_s = idle_timeout_s
+        self._limit = time_limit
+        self._deadline = time.monotonic() + time_limit.deadline_s
         self._closed = closed
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
 
     def discard(self, deadline_s: float) -> None:
         """Read and drop the rest of the body for at most ``deadline_s`` seconds, so
-        that a client still sending reads the error answer instead of a reset."""
+        that a client still sending reads the error answer instead of a reset. Past
+        the body's own deadline this ends at the first pause: a slow client is not
+        waited for twice."""
         until = time.monotonic() + deadline_s
         with contextlib.suppress(WireError):  # gone or quiet: nothing more to wait for
             while self.remaining and time.monotonic() < until:
@@ -100,16 +108,32 @@ class SocketBody(BodyReader):
                 return received
             if self._closed():
                 raise WireError(ErrorCode.UNAVAILABLE, "connection closed mid-body")
-            if time.monotonic() - quiet_since > self._idle_timeout_s:
+            now = time.monotonic()
+            if now >= self._deadline:
+                raise WireError(
+                    ErrorCode.REQUEST_TIMEOUT,
+                    f"body not received within {self._limit.deadline_s:g} s; giving up",
+                )
+            if now - quiet_since > self._limit.idle_timeout_s:
                 raise WireError(
                     ErrorCode.MALFORMED_BODY,
-                    f"no body bytes for {self._idle_timeout_s:g} s; giving up",
+                    f"no body bytes for {self._limit.idle_timeout_s:g} s; giving up",
                 )
-            self._poller.poll(_POLL_SLICE_S * 1000)
+            wait_s = min(_POLL_SLICE_S, self._deadline - now)
+            self._poller.poll(max(1, math.ceil(wait_s * 1000)))
+
+
+@dataclass(frozen=True, slots=True)
+class BodyTimeLimit:
+    """How long a borrowed body may take: ``deadline_s`` in all, counted from when it
+    is borrowed, with no pause longer than ``idle_timeout_s``."""
+
+    deadline_s: float
+    idle_timeout_s: float
 
 
 @asynccontextmanager
-async def borrow(request: web.Request, idle_timeout_s: float) -> AsyncIterator[SocketBody]:
+async def borrow(request: web.Request, time_limit: BodyTimeLimit) -> AsyncIterator[SocketBody]:
     """Take the rest of ``request``'s body off aiohttp (see the module docstring).
 
     The response to ``request``, whatever it is, closes the connection
@@ -133,7 +157,7 @@ async def borrow(request: web.Request, idle_timeout_s: float) -> AsyncIterator[S
     # ours to read from and close, while aiohttp keeps its own for the response.
     sock = socket.socket(fileno=os.dup(raw.fileno()))
     try:
-        yield SocketBody(sock, buffered, length, idle_timeout_s, transport.is_closing)
+        yield SocketBody(sock, buffered, length, time_limit, transport.is_closing)
     finally:
         sock.close()
         request.content.feed_eof()

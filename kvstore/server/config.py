@@ -61,7 +61,7 @@ MAX_SOCKET_PATH = 107
 RELOADABLE = frozenset({"auth_token", "lease_ttl_s", "log_level"})
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Fields given in bytes, which also accept "64MiB"-style strings.
-_SIZE_FIELDS = frozenset({"max_body_bytes", "max_json_bytes"})
+_SIZE_FIELDS = frozenset({"max_body_bytes", "max_json_bytes", "min_body_bytes_per_s"})
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,15 @@ class DaemonConfig:
 
     Memory bound of request bodies: ``max_concurrent_puts * max_body_bytes``
     (a put is validated whole before it is stored, so its body is buffered).
+
+    Time bounds of a request, so that a slow client cannot hold a put slot or a
+    connection for long: its headers must be complete within
+    ``header_timeout_s`` of the connection opening (or of its previous
+    response), and its body within ``body_deadline_s(length)``, whatever the
+    pace of the bytes in between; a body that pauses for ``body_timeout_s`` is
+    dropped sooner. Event times must lie within ``event_time_ahead_s`` after
+    and ``event_time_behind_s`` before the daemon's clock: one event stamped
+    far in the future would move the predictor's clock past every horizon.
     """
 
     socket_path: Path
@@ -88,6 +97,16 @@ class DaemonConfig:
     drain_timeout_s: float = 10.0
     # A put whose body stops arriving for this long is dropped (its client gone quiet).
     body_timeout_s: float = 30.0
+    # A request's whole body must arrive within body_deadline_base_s plus its length
+    # at min_body_bytes_per_s (body_deadline_s), or it is answered 408 and dropped.
+    body_deadline_base_s: float = 10.0
+    min_body_bytes_per_s: int = 1 << 20
+    # A connection's request headers must be complete this long after it opened or
+    # its previous response ended, or it is closed (idle keep-alive ones too).
+    header_timeout_s: float = 10.0
+    # How far an event's time may lie from the daemon's clock, ahead and behind.
+    event_time_ahead_s: float = 300.0
+    event_time_behind_s: float = 6 * 3600.0
     flush_on_exit: bool = True
     flush_timeout_s: float = 60.0
     workers: int = 8
@@ -108,7 +127,16 @@ class DaemonConfig:
                     "refusing to listen on TCP without an auth token: set daemon.auth_token "
                     f"or {TOKEN_VARIABLE}, or remove daemon.tcp_port"
                 )
-        for name in ("lease_ttl_s", "drain_timeout_s", "body_timeout_s", "flush_timeout_s"):
+        for name in (
+            "lease_ttl_s",
+            "drain_timeout_s",
+            "body_timeout_s",
+            "body_deadline_base_s",
+            "header_timeout_s",
+            "event_time_ahead_s",
+            "event_time_behind_s",
+            "flush_timeout_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"daemon.{name} must be a positive number of seconds")
@@ -118,6 +146,7 @@ class DaemonConfig:
             "max_body_bytes",
             "max_json_bytes",
             "max_concurrent_puts",
+            "min_body_bytes_per_s",
             "max_line_size",
             "max_field_size",
             "max_headers",
@@ -128,6 +157,10 @@ class DaemonConfig:
                 raise ConfigError(f"daemon.{name} must be positive")
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ConfigError(f"daemon.log_level must be one of {', '.join(_LOG_LEVELS)}")
+
+    def body_deadline_s(self, length: int) -> float:
+        """How long a body of ``length`` bytes may take to arrive, all of it."""
+        return self.body_deadline_base_s + length / self.min_body_bytes_per_s
 
     @property
     def log_level_number(self) -> int:

@@ -7,7 +7,8 @@ Two sources:
 
 * HTTP traffic and client reports are counted as they happen
   (``DaemonMetrics``): requests by route and status, latency by route,
-  session events, and the tokens clients loaded from cache versus recomputed.
+  session events (and those refused, by reason), and the tokens clients
+  loaded from cache versus recomputed.
 * The store's own counters are read at scrape time (``StoreCollector``), from
   one ``TieredStore.stats()`` snapshot, so they are never out of step with
   ``/v1/stats`` and nothing has to mirror them::
@@ -46,6 +47,7 @@ A miss has no tier (it is a miss in all of them), so misses are one counter.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -102,6 +104,13 @@ _STORE_COUNTERS = (
         "Namespaces a full table forgot (least recently named first; clients re-register).",
     ),
 )
+
+
+class EventRejection(enum.Enum):
+    """Why ``POST /v1/events`` refused an event (the ``reason`` label)."""
+
+    INVALID = "invalid"  # not JSON, or not an event of the schema
+    CLOCK_SKEW = "clock_skew"  # its time is too far from the daemon's clock
 
 
 class StoreCollector(Collector):
@@ -225,6 +234,14 @@ class DaemonMetrics:
             ["event"],
             registry=self.registry,
         )
+        self.events_rejected = Counter(
+            "kvstore_client_events_rejected",
+            "Session events refused (400), by why: malformed, or timed off the daemon's clock.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in EventRejection:
+            self.events_rejected.labels(reason=reason.value)
         self.client_tokens = Counter(
             "kvstore_client_tokens",
             "Prompt tokens clients loaded from the cache or recomputed, as they report.",
@@ -241,6 +258,9 @@ class DaemonMetrics:
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, method=method, status=str(status)).inc()
         self.latency.labels(route=route).observe(seconds)
+
+    def reject_event(self, reason: EventRejection) -> None:
+        self.events_rejected.labels(reason=reason.value).inc()
 
     def observe_event(self, event: SessionEvent) -> None:
         self.events.labels(event=event.kind.value).inc()

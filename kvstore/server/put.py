@@ -57,7 +57,7 @@ from kvstore.block import (
 )
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.server.borrowed_body import SocketBody, borrow
+from kvstore.server.borrowed_body import BodyTimeLimit, SocketBody, borrow
 from kvstore.server.connection import is_local
 from kvstore.server.landing import Landing, check_received
 from kvstore.server.serving import SharedServing
@@ -86,12 +86,17 @@ async def put(request: web.Request) -> web.Response:
     then store the batch (or nothing)."""
     serving = request.app[SERVING]
     state = request.app[STATE]
+    config = state.config
     if request.content_type != FRAMES_CONTENT_TYPE:
         raise WireError(ErrorCode.BAD_REQUEST, f"a put body must be {FRAMES_CONTENT_TYPE}")
-    limit = state.config.max_body_bytes
+    limit = config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
-    async with state.put_slots, borrow(request, state.config.body_timeout_s) as body:
+    # Counted from when the put has its slot: waiting for one is not the client's doing.
+    time_limit = BodyTimeLimit(
+        config.body_deadline_s(request.content_length or 0), config.body_timeout_s
+    )
+    async with state.put_slots, borrow(request, time_limit) as body:
         receiving = asyncio.to_thread(_receive, body, serving, limit, is_local(request))
         batch = await _to_the_end(receiving)
         if not batch.keys:

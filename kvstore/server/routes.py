@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,14 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.server.connection import is_local
 from kvstore.server.get_frames import send_served
 from kvstore.server.leases import Lease, LeaseTable
+from kvstore.server.metrics import EventRejection
 from kvstore.server.put import put
 from kvstore.server.serving import ServedGet, SharedBlock, SharedServing
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, SERVING, STATE, STORE
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.kinds import TierKind
+from kvstore.wire import strict_json
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.events import parse_event
 from kvstore.wire.frames import Seal
@@ -96,9 +99,26 @@ async def delete(request: web.Request) -> web.Response:
 
 
 async def post_event(request: web.Request) -> web.Response:
-    event = parse_event(await read_json(request))
+    """Keep a session event and hand it to the predictor; one that is malformed, or
+    whose time is off the daemon's clock by more than the config allows, is
+    refused and counted, and reaches neither."""
+    metrics = request.app[METRICS]
+    try:
+        event = parse_event(await read_json(request))
+    except WireError:
+        metrics.reject_event(EventRejection.INVALID)
+        raise
+    config = request.app[STATE].config
+    now = time.time()
+    if not now - config.event_time_behind_s <= event.time <= now + config.event_time_ahead_s:
+        metrics.reject_event(EventRejection.CLOCK_SKEW)
+        raise WireError(
+            ErrorCode.BAD_REQUEST,
+            f"time {event.time:.17g} is off the daemon's clock ({now:.3f}) by more than "
+            f"{config.event_time_ahead_s:g} s ahead or {config.event_time_behind_s:g} s behind",
+        )
     request.app[EVENTS].append(event)
-    request.app[METRICS].observe_event(event)
+    metrics.observe_event(event)
     predictor = request.app.get(PREDICTOR)
     if predictor is not None:
         predictor.submit(event)  # learnt from and acted on in order, off this request
@@ -249,9 +269,17 @@ async def shared_memory(request: web.Request) -> web.Response:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object; bounded by the app's ``client_max_size``."""
+    """The request's JSON object (``kvstore.wire.strict_json``): bounded in size by the
+    app's ``client_max_size``, and in time by ``body_deadline_s`` of its length."""
+    config = request.app[STATE].config
+    deadline_s = config.body_deadline_s(request.content_length or config.max_json_bytes)
     try:
-        data = await request.json()
+        async with asyncio.timeout(deadline_s):
+            data = await request.json(loads=strict_json.loads)
+    except TimeoutError:
+        raise WireError(
+            ErrorCode.REQUEST_TIMEOUT, f"body not received within {deadline_s:g} s"
+        ) from None
     except ValueError as error:
         raise WireError(ErrorCode.BAD_REQUEST, f"body is not JSON: {error}") from None
     if not isinstance(data, dict):

@@ -2,6 +2,8 @@
 
 Life of a daemon::
 
+    check    refuse at once if a daemon listens on the socket or the TCP port
+             (before anything of the store is opened or created)
     start    load the predictor's model (``[predictor]``; its placement policy is
              the store's eviction policy), then open the store (LMDB, the DRAM
              arena) on a worker thread
@@ -64,7 +66,6 @@ _M_MMAP_THRESHOLD = -3
 _HEAP_ALLOCATIONS_UP_TO = 32 << 20
 
 
-
 class Server:
     """One daemon: a store, one app, a Unix site and an optional TCP site."""
 
@@ -102,6 +103,11 @@ class Server:
     # -- startup ------------------------------------------------------------------
 
     async def startup(self) -> None:
+        # Before anything is opened or created: a second daemon started by mistake
+        # must not map the store's LMDB files or make a shared-memory arena first.
+        _remove_stale_socket(self.daemon.socket_path)
+        if self.daemon.tcp_port:
+            _check_port_free(self.daemon.tcp_host, self.daemon.tcp_port)
         # The store opens LMDB inside these; it does not create their parents.
         for directory in _store_directories(self.config):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -287,6 +293,25 @@ def _remove_stale_socket(path: Path) -> None:
     finally:
         probe.close()
     raise StartupError(f"another daemon is listening on {path}")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a TCP port another process listens on, as the real bind later would
+    (with ``SO_REUSEADDR``, as aiohttp binds: connections of a daemon that just
+    exited do not count)."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as error:
+        raise StartupError(f"cannot listen on {host}:{port}: {error}") from error
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise StartupError(f"another process is listening on {host}:{port}") from error
+                raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from error
 
 
 def _reuse_freed_memory(retain_bytes: int) -> None:

@@ -3,11 +3,12 @@
 
 ::
 
-    codes.py     ErrorCode, the HTTP status of each, and the exception a client raises
-    messages.py  the JSON fields of control messages: namespaces, digests, chunk keys
-    frames.py    bulk KV as frames (JSON metadata, then whole stored blocks); Seal
-    events.py    session events: the schema engines report and the predictor learns from
-    body.py      a body of known length read off a socket into the caller's buffers
+    codes.py        ErrorCode, the HTTP status of each, and the exception a client raises
+    messages.py     the JSON fields of control messages: namespaces, digests, chunk keys
+    strict_json.py  JSON as the daemon reads it: finite, exact numbers, bounded nesting
+    frames.py       bulk KV as frames (JSON metadata, then whole stored blocks); Seal
+    events.py       session events: the schema engines report and the predictor learns from
+    body.py         a body of known length read off a socket into the caller's buffers
 
 Control messages are JSON; bulk KV travels as frames, never base64. Every
 block on the wire is a complete stored block (``kvstore.block``), so the

@@ -35,6 +35,7 @@ class ErrorCode(enum.Enum):
     CORRUPT_BLOCK = "corrupt_block"
     REQUEST_TOO_LARGE = "request_too_large"
     LENGTH_REQUIRED = "length_required"
+    REQUEST_TIMEOUT = "request_timeout"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
 
@@ -51,10 +52,11 @@ ERRORS: dict[ErrorCode, tuple[int, type[KVStoreError]]] = {
     ErrorCode.CORRUPT_BLOCK: (422, CorruptBlock),
     ErrorCode.REQUEST_TOO_LARGE: (413, RequestTooLarge),
     ErrorCode.LENGTH_REQUIRED: (411, KVStoreError),
+    # The client sent too slowly; to it, as to a daemon too slow, the call degrades.
+    ErrorCode.REQUEST_TIMEOUT: (408, TierUnavailable),
     ErrorCode.UNAVAILABLE: (503, TierUnavailable),
     ErrorCode.INTERNAL: (500, KVStoreError),
 }
-
 
 
 class WireError(KVStoreError):
@@ -97,4 +99,3 @@ def exception_from_body(status: int, body: Any) -> KVStoreError:
     if exception_type is TierUnavailable:
         return TierUnavailable("daemon", message)
     return exception_type(f"{code.value}: {message}")
-

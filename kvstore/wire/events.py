@@ -9,7 +9,8 @@ reports::
     request_finished  session, steps, output_tokens, context_tokens, tool_running,
                       loaded_tokens, recomputed_tokens
 
-each with an optional ``time`` (Unix seconds; the daemon's clock if absent)
+each with an optional ``time`` (Unix seconds; the daemon's clock if absent, and
+refused by the daemon if too far from its clock: ``DaemonConfig.event_time_*``)
 and an optional chain: ``namespace`` (hex digest) and ``keys`` (hex chunk
 keys, head first) of the request's prompt (started) or of prompt plus output
 (finished). The chain is what lets the daemon's placement policy move a
@@ -201,9 +202,15 @@ def _count(data: Mapping[str, Any], name: str) -> int:
 def _time(value: Any) -> float:
     if value is None:
         return time.time()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad("time must be a finite number of Unix seconds")
-    return float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an integer past the largest double
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise _bad("time must be a finite number of Unix seconds")
+    return seconds
 
 
 def _bad(message: str) -> WireError:

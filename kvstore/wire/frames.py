@@ -36,6 +36,7 @@ import numpy as np
 
 from kvstore.block import HEADER_BYTES
 from kvstore.keys import ChunkKey
+from kvstore.wire import strict_json
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.messages import hex_bytes
 
@@ -62,7 +63,6 @@ class Seal(enum.Enum):
     HEADER = "header"
     TRAILER = "trailer"
     DAEMON = "daemon"
-
 
 
 def encode_frames(
@@ -246,7 +246,7 @@ def parse_meta(
     """A frames body's metadata and its blocks' (key, length) entries, checked
     against ``limits``; ``WireError`` for anything malformed."""
     try:
-        meta = json.loads(raw)
+        meta = strict_json.loads(raw)
         entries = meta["blocks"]
         if not isinstance(entries, list):
             raise TypeError("blocks must be a list")
@@ -272,4 +272,3 @@ def parse_meta(
             raise WireError(ErrorCode.MALFORMED_BODY, f"bad block length {length!r}")
         parsed.append((key, length))
     return meta, parsed
-

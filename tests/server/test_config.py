@@ -57,6 +57,22 @@ def test_file_then_environment(tmp_path: Path) -> None:
     assert StoreConfig.from_env(env).promote_on_hit is False
 
 
+def test_time_bounds_default_and_the_body_deadline_grows_with_the_length(
+    tmp_path: Path,
+) -> None:
+    defaults = ServiceConfig.load(_write(tmp_path), environ={}).daemon
+    assert (defaults.header_timeout_s, defaults.body_deadline_base_s) == (10.0, 10.0)
+    assert defaults.min_body_bytes_per_s == 1 << 20
+    assert (defaults.event_time_ahead_s, defaults.event_time_behind_s) == (300.0, 21600.0)
+    assert defaults.body_deadline_s(0) == 10.0
+    assert defaults.body_deadline_s(512 << 20) == 10.0 + 512
+    path = _write(tmp_path, 'min_body_bytes_per_s = "64MiB"\nbody_deadline_base_s = 2\n')
+    env = {"KVSTORE_DAEMON_MIN_BODY_BYTES_PER_S": "128MiB"}
+    config = ServiceConfig.load(path, environ=env).daemon
+    assert config.min_body_bytes_per_s == 128 << 20
+    assert config.body_deadline_s(256 << 20) == 2.0 + 2
+
+
 @pytest.mark.parametrize(
     ("table", "env", "message"),
     [
@@ -64,6 +80,9 @@ def test_file_then_environment(tmp_path: Path) -> None:
         ("surprise = 1\n", {}, "unknown daemon setting"),
         ('lease_ttl_s = "soon"\n', {}, "lease_ttl_s must be of type float"),
         ("lease_ttl_s = 0\n", {}, "must be a positive number"),
+        ("header_timeout_s = 0\n", {}, "header_timeout_s must be a positive number"),
+        ("event_time_ahead_s = -1\n", {}, "event_time_ahead_s must be a positive number"),
+        ("min_body_bytes_per_s = 0\n", {}, "min_body_bytes_per_s must be positive"),
         ("tcp_port = 70000\nauth_token = 'x'\n", {}, "not a port number"),
         ("", {"KVSTORE_DAEMON_WORKERS": "many"}, "is not of type int"),
         ('log_level = "chatty"\n', {}, "log_level must be one of"),
@@ -182,6 +201,19 @@ def test_events_parse_into_types_and_the_ring_is_bounded() -> None:
     assert log.recent() == [finished, started] and log.received == 3
     with pytest.raises(WireError):
         parse_event({"event": "request_started", "session": "s", "trigger": "user"})
+    # Times no double holds: refused as such, not an OverflowError from the checks.
+    for when in (10**400, -(10**400), float("inf"), float("nan"), True, "now"):
+        with pytest.raises(WireError, match="time must be a finite number"):
+            parse_event(
+                {
+                    "event": "request_started",
+                    "session": "s",
+                    "trigger": "user",
+                    "prompt_tokens": 1,
+                    "cached_tokens": 0,
+                    "time": when,
+                }
+            )
 
 
 def test_events_carry_an_optional_chain_and_may_leave_the_session_to_it() -> None:

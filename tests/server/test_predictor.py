@@ -4,7 +4,10 @@ socket are learnt from and acted on in the real store; quality shows in ``/v1/st
 from ``kvstore train-predictor`` starts a daemon.
 
 Event times are given (the ``time`` field): the daemon's predictor runs on the clock
-of the events it receives, so an hour of idle time is one event an hour later.
+of the events it receives, so an hour of idle time is one event an hour later. Those
+streams keep a clock of their own (``T0``), so their daemons are told to take event
+times that far from theirs (``OWN_CLOCK``); a daemon left at its defaults refuses an
+event off its clock, and its predictor never sees it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvstore.predictor.service import MODEL_FILE
 from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
 
 T0 = 1_800_000_000.0
+OWN_CLOCK = {"event_time_ahead_s": 1e10, "event_time_behind_s": 1e10}
 STORE_TOML = """\
 data_dir = "{{data_dir}}"
 
@@ -93,7 +97,7 @@ def session(client: httpx.Client, name: str) -> dict[str, Any]:
 def test_the_daemon_learns_reports_and_keeps_its_model_across_a_restart(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(config(), daemon=OWN_CLOCK)
     events: list[SessionEvent] = []
     for i in range(20):  # ten come back after 30 s, ten never do
         at = T0 + 10 * i
@@ -153,7 +157,7 @@ def test_an_idle_chain_is_demoted_and_a_resume_brings_it_back(
     before the engine looks it up, and the engine's get reads it there (used)."""
     weights = tmp_path / "pessimist.pt"
     ReturnModel(len(feature_names()), prior=(0.01, 0.02, 0.03)).save(weights)
-    daemon = daemon_factory(config(dram_slots=20, weights=str(weights)))
+    daemon = daemon_factory(config(dram_slots=20, weights=str(weights)), daemon=OWN_CLOCK)
     ns = kv.namespace(salt="demote")
     busy, idle = make_chain(ns, 12), make_chain(ns, 8, start=50_000, seed=1)
     with daemon.client() as client:
@@ -205,7 +209,7 @@ def test_a_model_from_train_predictor_starts_a_daemon(
     assert main(["train-predictor", str(trace), "--out", str(weights), "--format", "mooncake"]) == 0
     trained = ReturnModel.load(weights)
 
-    daemon = daemon_factory(config(weights=str(weights)))
+    daemon = daemon_factory(config(weights=str(weights)), daemon=OWN_CLOCK)
     with daemon.client() as client:
         post(client, started("probe", T0), finished("probe", T0 + 10))
         assert stats(client, processed(2))["predictor"]["model"]["source"] == "weights"
@@ -235,7 +239,7 @@ def test_unusable_weights_stop_the_daemon_with_a_clear_error(
 def test_a_disabled_predictor_keeps_lru_and_only_records_events(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    daemon = daemon_factory(config(enabled=False))
+    daemon = daemon_factory(config(enabled=False), daemon=OWN_CLOCK)
     with daemon.client() as client:
         post(client, started("quiet", T0), finished("quiet", T0 + 1))
         body = client.get("/v1/stats").json()
@@ -252,3 +256,46 @@ def test_unknown_sessions_are_404(daemon: Daemon) -> None:
     with daemon.client() as client:
         response = client.get("/v1/sessions/nobody-ever")
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_events_off_the_daemons_clock_are_refused_and_leave_the_predictor_as_it_was(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """One event stamped far ahead would move the event clock past every horizon and
+    label each pending forecast "not returned"; it is refused (400, counted) instead,
+    as are times no double holds, and the forecast stays pending."""
+    daemon = daemon_factory(config())  # the default window: 300 s ahead, 6 h behind
+    now = time.time()
+    with daemon.client() as client:
+        post(client, started("victim", now), finished("victim", now + 1))
+        stats(client, processed(2))
+        pending = session(client, "victim")["forecast"]
+        assert pending is not None
+        refused = {
+            "clock_skew": [str(1e300), str(now + 3600), str(now - 7 * 3600), "-1"],
+            "invalid": ["1e400", "9" * 400, "NaN"],
+        }
+        for times in refused.values():
+            for when in times:
+                body = json.dumps(started("intruder", now).to_json())
+                body = body.replace(f'"time": {json.dumps(now)}', f'"time": {when}')
+                assert when in body
+                response = client.post(
+                    "/v1/events", content=body, headers={"Content-Type": "application/json"}
+                )
+                assert response.status_code == 400, (when, response.text)
+                assert response.json()["error"]["code"] == "bad_request"
+        time.sleep(1.0)  # ten ticks: any jump of the event clock would label by now
+        body = client.get("/v1/stats").json()
+        predictor = body["predictor"]
+        assert predictor["events_processed"] == 2 and body["daemon"]["events_received"] == 2
+        assert all(entry["n"] == 0 for entry in predictor["quality"].values())
+        assert session(client, "victim")["forecast"] == pending
+        assert client.get("/v1/sessions/intruder").status_code == 404
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        rejected = {
+            s.labels["reason"]: s.value
+            for s in families["kvstore_client_events_rejected"].samples
+            if s.name.endswith("_total")
+        }
+    assert rejected == {reason: len(times) for reason, times in refused.items()}

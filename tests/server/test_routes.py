@@ -225,7 +225,7 @@ def test_events_are_validated_and_counted(client: httpx.Client) -> None:
         "trigger": "tool",
         "prompt_tokens": 1200,
         "cached_tokens": 1100,
-        "time": 1764500000.0,
+        "time": time.time() - 1.0,
     }
     finished = {
         "event": "request_finished",

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support import REPO, http_kv, kv
 from support.daemon import Daemon
 from support.http_kv import Chain, error_code, frames_body, lookup, make_chain, put_raw, register
@@ -142,6 +144,57 @@ def test_bad_json_requests(client: httpx.Client, ns: Namespace) -> None:
     assert wrong_type.status_code == 400 and error_code(wrong_type) == "bad_request"
 
 
+_JSON_ROUTES = ("/v1/namespaces", "/v1/lookup", "/v1/get", "/v1/delete", "/v1/events")
+
+
+def _unparseable_json(digest: str) -> dict[str, bytes]:
+    """Bodies ``json.loads`` takes or chokes on that no message can hold."""
+    depth = 100_000  # far past the interpreter's recursion limit, well under max_json_bytes
+    return {
+        "nested arrays": b"[" * depth + b"]" * depth,
+        "nested objects": b'{"a":' * depth + b"1" + b"}" * depth,
+        "float past a double": b'{"namespace": "%s", "keys": [], "x": 1e400}' % digest.encode(),
+        "huge integer": b'{"namespace": "%s", "keys": [], "x": %s}'
+        % (digest.encode(), b"9" * 4000),
+        "integer past 2**53": b'{"namespace": "%s", "keys": [], "x": 9007199254740993}'
+        % digest.encode(),
+        "NaN": b'{"namespace": "%s", "keys": [], "x": NaN}' % digest.encode(),
+        "-Infinity": b'{"namespace": "%s", "keys": [], "x": -Infinity}' % digest.encode(),
+    }
+
+
+def test_json_no_message_can_hold_is_400_on_every_route(
+    client: httpx.Client, ns: Namespace
+) -> None:
+    chain = make_chain(ns, 2, start=300)
+    assert http_kv.put(client, chain) == 2
+    stats = client.get("/v1/stats").json()
+    for name, body in _unparseable_json(ns.digest.hex()).items():
+        for route in _JSON_ROUTES:
+            response = client.post(
+                route, content=body, headers={"Content-Type": "application/json"}
+            )
+            assert response.status_code == 400, (name, route, response.text)
+            assert error_code(response) == "bad_request", (name, route)
+            assert "body is not JSON" in response.json()["error"]["message"], (name, route)
+        # The same in a put's metadata.
+        meta = body.replace(b'"keys": []', b'"blocks": []')
+        response = put_raw(client, len(meta).to_bytes(4, "little") + meta)
+        assert response.status_code == 400 and error_code(response) == "malformed_body", name
+    # Nothing changed: the chain is still there, nothing new stored, no event kept.
+    assert lookup(client, ns, chain.keys)["num_chunks"] == 2
+    after = client.get("/v1/stats").json()
+    assert after["store"]["chunks_stored"] == stats["store"]["chunks_stored"]
+    assert after["daemon"]["events_received"] == stats["daemon"]["events_received"]
+    statuses = {
+        sample.labels["status"]
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        if family.name == "kvstore_http_requests"
+        for sample in family.samples
+    }
+    assert "500" not in statuses
+
+
 # -- bounds ----------------------------------------------------------------------------
 
 
@@ -225,6 +278,58 @@ def _raw_request(path: Path, request: bytes) -> tuple[int, bytes]:
     return int(head.split(b" ")[1]), body
 
 
+# -- logging ---------------------------------------------------------------------------
+
+
+def test_refused_requests_log_no_traceback(daemon_factory: Callable[..., Daemon]) -> None:
+    """A client's mistakes are answered, not logged (a debug line at most): a client
+    sending garbage in a loop cannot flood the daemon's log."""
+    instance = daemon_factory()
+    nested = b"[" * 50_000 + b"]" * 50_000
+    huge_time = b'{"event": "request_started", "session": "s", "trigger": "user", '
+    huge_time += b'"prompt_tokens": 1, "cached_tokens": 0, "time": %s}' % (b"9" * 400)
+    requests = [
+        _http(b"GET /healthz HTTP/1.1", b"X-Big: " + b"a" * 20_000),
+        _http(b"GET /healthz HTTP/1.1", b"no colon here"),
+        _http(b"GET /healthz HTTP/7.3"),
+        _http(b"POST /v1/lookup HTTP/1.1", b"Content-Length: abc", body=b"{}"),
+        _http(b"POST /v1/lookup HTTP/1.1", b"Transfer-Encoding: chunked", body=b"zz\r\n{}\r\n"),
+        _http(b"POST /v1/lookup HTTP/1.1", b"Content-Length: %d" % len(nested), body=nested),
+        _http(b"POST /v1/events HTTP/1.1", b"Content-Length: %d" % len(huge_time), body=huge_time),
+        _http(b"POST /v1/lookup HTTP/1.1", b"Content-Length: 9", body=b"{not json"),
+    ]
+    logged_before = instance.log_path.stat().st_size
+    for _ in range(5):
+        for request in requests:
+            _send_raw(instance.socket_path, request)
+    with instance.client() as client:
+        assert client.get("/healthz").status_code == 200
+    logged = instance.log_path.read_bytes()[logged_before:].decode(errors="replace")
+    assert "Traceback" not in logged and "Error handling request" not in logged, logged
+    assert len(logged.splitlines()) <= len(requests), logged
+
+
+def _http(line: bytes, *headers: bytes, body: bytes = b"") -> bytes:
+    """A request over a connection that closes after its answer."""
+    head = [line, b"Host: kvstore", b"Connection: close", *headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def _send_raw(path: Path, request: bytes) -> bytes:
+    """Send ``request`` and read until the daemon closes (or 5 s); whatever came back."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(str(path))
+        reply = b""
+        try:
+            sock.sendall(request)
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except OSError:  # reset, or a reply never ending: either is fine here
+            pass
+    return reply
+
+
 # -- authentication --------------------------------------------------------------------
 
 _ROUTES = [
@@ -286,13 +391,24 @@ def test_tcp_refuses_to_start_without_a_token(daemon_factory: Callable[..., Daem
     assert not instance.socket_path.exists()
 
 
-def test_a_second_daemon_on_a_live_socket_exits(
-    daemon: Daemon, daemon_factory: Callable[..., Daemon]
+@pytest.mark.parametrize("busy", ["socket", "port"])
+def test_a_second_daemon_on_a_live_socket_or_port_exits_before_opening_anything(
+    daemon: Daemon, daemon_factory: Callable[..., Daemon], busy: str
 ) -> None:
-    instance = daemon_factory(daemon={"socket_path": str(daemon.socket_path)}, start=False)
+    """It says so and exits 1 before it creates a directory, opens LMDB, maps a
+    shared-memory arena or loads the predictor: its data directory holds only the
+    config file the test wrote there."""
+    settings: dict[str, Any] = {"socket_path": str(daemon.socket_path)}
+    if busy == "port":
+        assert daemon.tcp_port is not None
+        settings = {"tcp_host": "127.0.0.1", "tcp_port": daemon.tcp_port, "auth_token": "t" * 32}
+    instance = daemon_factory(daemon=settings, start=False)
     result = _serve(instance)
-    assert result.returncode == 1
-    assert "another daemon is listening" in result.stderr
+    assert result.returncode == 1, result.stderr
+    expected = "another daemon is listening" if busy == "socket" else "another process is listening"
+    assert expected in result.stderr
+    assert "predictor:" not in result.stderr and "serving" not in result.stderr
+    assert [path.name for path in instance.data_dir.iterdir()] == ["kvstore.toml"]
     with daemon.client() as client:  # the first one is untouched
         assert client.get("/healthz").status_code == 200
 
