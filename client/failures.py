@@ -43,7 +43,9 @@ class ClientStats:
     ``*_failed`` / ``*_dropped`` count calls that degraded because the daemon
     could not serve them (down, too slow, 5xx, a malformed answer): a failed
     lookup answered "nothing cached", a failed get answered misses, a dropped
-    put or event was not stored. ``corrupt_blocks`` counts received blocks
+    put or event was not stored. ``events_rejected`` counts session events the
+    daemon refused (a time too far from its clock: the engine's clock is off);
+    they are dropped, never raised. ``corrupt_blocks`` counts received blocks
     that failed verification and were turned into misses.
     """
 
@@ -51,6 +53,7 @@ class ClientStats:
     gets_failed: int = 0
     puts_dropped: int = 0
     events_dropped: int = 0
+    events_rejected: int = 0
     corrupt_blocks: int = 0
 
     def snapshot(self) -> ClientStats:

@@ -66,6 +66,7 @@ from kvstore.client.failures import ClientStats, from_reply, unavailable
 from kvstore.client.put_body import PutBody
 from kvstore.client.shm import SharedArena
 from kvstore.errors import (
+    BadRequest,
     ConfigError,
     KVStoreError,
     LayoutMismatch,
@@ -75,6 +76,7 @@ from kvstore.errors import (
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.store.stats import StoreStats, TierCounters
+from kvstore.throttled_log import ThrottledLog
 from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, Seal
 from kvstore.wire.messages import API_PREFIX, GetTransfer, namespace_to_json
@@ -240,6 +242,7 @@ class ClientProtocol:
             raise ConfigError(f"verify must be 'fast' or 'full', not {verify!r}") from None
         self._lock = threading.Lock()
         self._stats = ClientStats()
+        self._rejected_events = ThrottledLog(log, every_s=60.0)
         self._registered: frozenset[bytes] = frozenset()
         # How this client's puts carry their checksums: the best the daemon listed
         # registering a namespace (``put_seals``), in the header until it says.
@@ -404,6 +407,10 @@ class ClientProtocol:
         except TierUnavailable:
             with self._lock:
                 self._stats.events_dropped += 1
+        except BadRequest as refused:  # advice, not a request: never raised into the engine
+            with self._lock:
+                self._stats.events_rejected += 1
+            self._rejected_events.warning("the daemon refused a session event: %s", refused)
 
     # -- gets -----------------------------------------------------------------
 

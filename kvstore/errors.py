@@ -37,6 +37,11 @@ class ConfigError(KVStoreError):
     """The configuration is invalid (unknown tier, bad size, bad TOML)."""
 
 
+class BadRequest(KVStoreError):
+    """The daemon refused a request whose content it cannot accept (malformed, a number
+    out of range, an event time too far from its clock)."""
+
+
 class UnknownNamespace(KVStoreError):
     """A request refers to a namespace digest the store does not know."""
 

@@ -12,6 +12,7 @@ import enum
 from typing import Any
 
 from kvstore.errors import (
+    BadRequest,
     ConfigError,
     CorruptBlock,
     KVStoreError,
@@ -42,7 +43,7 @@ class ErrorCode(enum.Enum):
 
 # code -> (HTTP status, exception a client raises for it)
 ERRORS: dict[ErrorCode, tuple[int, type[KVStoreError]]] = {
-    ErrorCode.BAD_REQUEST: (400, KVStoreError),
+    ErrorCode.BAD_REQUEST: (400, BadRequest),
     ErrorCode.MALFORMED_BODY: (400, KVStoreError),
     ErrorCode.UNAUTHORIZED: (401, KVStoreError),
     ErrorCode.NOT_FOUND: (404, KVStoreError),

@@ -204,6 +204,23 @@ def test_events_and_stats(flavour: str, target: Target, ns: Namespace) -> None:
         assert daemon_stats(target.daemon)["events_received"] == received + 2
 
 
+def test_an_event_the_daemon_refuses_is_dropped_and_counted_never_raised(
+    flavour: str, daemon: Daemon
+) -> None:
+    """An engine whose clock is a day off: its events are refused, its requests go on."""
+    target = daemon_target(daemon, "unix-bytes")
+
+    async def scenario() -> None:
+        async with opened(flavour, target.url, **target.options) as store:
+            await store.request_started(
+                "skewed", prompt_tokens=10, cached_tokens=0, time=time.time() + 86_400
+            )
+            stats = await store.client_stats()
+            assert (stats.events_rejected, stats.events_dropped) == (1, 0)
+
+    asyncio.run(scenario())
+
+
 def test_caller_mistakes_raise(flavour: str, target: Target, ns: Namespace) -> None:
     async def scenario() -> None:
         async with opened(flavour, target.url, **target.options) as store:
