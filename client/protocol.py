@@ -415,10 +415,19 @@ class ClientProtocol:
     # -- gets -----------------------------------------------------------------
 
     def _get_bytes(
-        self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        out: list[np.ndarray] | None,
+        *,
+        continues: bool = False,
     ) -> Operation[Received]:
+        """A get of bytes over the socket; ``continues``: it reads what a shared-memory
+        get left inline (so the daemon counts one get, not two)."""
         sink = FramesSink(namespace, keys, out, self._buffers, self._verifier)
         request = _get_request(namespace, keys, GetTransfer.BYTES, self._finished.take())
+        if continues:
+            request["continues"] = True
         try:
             yield from self._namespaced(namespace, lambda: _post("/get", request, sink=sink))
         except BaseException:
@@ -448,7 +457,7 @@ class ClientProtocol:
         if received.inline:
             inline_out = [out[i] for i in received.inline] if out is not None else None
             fetched = yield from self._get_bytes(
-                namespace, [keys[i] for i in received.inline], inline_out
+                namespace, [keys[i] for i in received.inline], inline_out, continues=True
             )
             for position, index in enumerate(received.inline):
                 received.chunks[index] = fetched.chunks[position]

@@ -135,7 +135,10 @@ async def get(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     body = await read_json(request)
     namespace, keys = _namespace_and_keys(store, body)
-    asked = _GetRequest(namespace, keys, _released(body, request.app[LEASES]))
+    continues = body.get("continues", False)
+    if not isinstance(continues, bool):
+        raise WireError(ErrorCode.BAD_REQUEST, "continues must be true or false")
+    asked = _GetRequest(namespace, keys, _released(body, request.app[LEASES]), continues)
     named = body.get("transfer", GetTransfer.BYTES.value)
     transfer = next((transfer for transfer in GetTransfer if transfer.value == named), None)
     if transfer is GetTransfer.BYTES:
@@ -154,6 +157,7 @@ class _GetRequest:
     namespace: Namespace
     keys: list[ChunkKey]
     released: list[str]
+    continues: bool = False  # it reads what a shared-memory get left inline
 
 
 def _released(body: dict[str, Any], leases: LeaseTable) -> list[str]:
@@ -179,7 +183,8 @@ async def _get_bytes(request: web.Request, asked: _GetRequest) -> web.StreamResp
     finally:
         # Shielded: a cancelled request must still unpin, and the call may wait
         # on the store's lock, so it runs on a worker, not on the loop.
-        await asyncio.shield(asyncio.to_thread(serving.release_served, served))
+        release = functools.partial(serving.release_served, served, continues=asked.continues)
+        await asyncio.shield(asyncio.to_thread(release))
 
 
 def _serve(leases: LeaseTable, serving: SharedServing, asked: _GetRequest) -> ServedGet:
@@ -247,6 +252,7 @@ def _share(
     lease, shared = leases.grant(asked.namespace, asked.keys)
     others = [key for key, block in zip(asked.keys, shared, strict=True) if block is None]
     located = leases.serving.locate(asked.namespace, others) if others else []
+    leases.serving.count_shared_get(located.count(None))
     return lease, shared, located
 
 

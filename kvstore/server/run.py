@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import signal
@@ -249,7 +250,7 @@ class Server:
             except KVStoreError:
                 log.exception("flush failed")
             finally:
-                await asyncio.to_thread(store.close)
+                await asyncio.to_thread(functools.partial(store.close, flush=False))
         log.info("stopped in %.2f s", time.monotonic() - started)
 
     async def _drain(self, runner: web.AppRunner, state: DaemonState) -> None:

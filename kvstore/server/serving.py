@@ -174,13 +174,21 @@ class SharedServing:
             served.lost += blocks.count(None)
         return blocks
 
-    def release_served(self, served: ServedGet) -> None:
-        """Unpin what ``serve`` pinned, and count the get and its misses."""
+    def release_served(self, served: ServedGet, *, continues: bool = False) -> None:
+        """Unpin what ``serve`` pinned, and count the get and its misses; ``continues``:
+        it reads what a shared-memory get left inline, which counted the get already."""
         with self._core.lock:
             self._core.placement.unpin(served.pinned)
             served.pinned = []
-            self._core.stats.gets += 1
+            self._core.stats.gets += not continues
             self._core.stats.get_misses += served.lengths.count(None) + served.lost
+
+    def count_shared_get(self, missing: int) -> None:
+        """Count a shared-memory get and the chunks it found nowhere (its DRAM hits were
+        counted by ``share``; the ones held below are read by a get that continues it)."""
+        with self._core.lock:
+            self._core.stats.gets += 1
+            self._core.stats.get_misses += missing
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Unpin what ``share`` pinned (a lease given back or expired)."""

@@ -49,9 +49,6 @@ from kvstore.tiers.kinds import TierKind
 
 logger = logging.getLogger(__name__)
 
-# Blocks per write transaction when a closing store writes its memory tiers down.
-_FLUSH_BATCH = 256
-
 
 class TieredStore(Closing):
     """The embedded, thread-safe tiered KV store. See the module docstring."""
@@ -358,42 +355,13 @@ class TieredStore(Closing):
     def tier_kinds(self) -> list[TierKind]:
         return list(self.core.placement.order)
 
-    def close(self) -> None:
-        """Stop the scrubber, copy what only the memory tiers hold into the first
-        persistent tier (``flush_on_close``), and close every tier (idempotent)."""
+    def close(self, *, flush: bool | None = None) -> None:
+        """Copy what only the memory tiers hold into the first persistent tier (``flush``,
+        by default ``config.flush_on_close``: a store opened again then has it), stop the
+        scrubber and close every tier (idempotent)."""
+        if (self.config.flush_on_close if flush is None else flush) and not self.core.closed:
+            written = self.flush()
+            if written:
+                logger.info("wrote %d block(s) held only in memory down at close", written)
         self._maintenance.stop()
-        if self.config.flush_on_close:
-            self._flush_volatile()
         self.core.close()
-
-    def _flush_volatile(self) -> int:
-        """Write every block held only in volatile tiers (HBM, DRAM) into the first
-        persistent tier, so that a store closed and opened again still has it; how many
-        were written. A block that does not fit there is left to vanish with its tier."""
-        placement = self.core.placement
-        target = next((kind for kind in placement.order if not kind.traits.volatile), None)
-        if target is None:
-            return 0
-        written = 0
-        with self.core.lock:
-            if self.core.closed:
-                return 0
-            for kind in placement.order:
-                if kind >= target:
-                    break
-                batches: dict[bytes, list[tuple[ChunkKey, BlockMeta]]] = {}
-                for namespace, key in self.core.index.held_by(kind):
-                    meta = self.core.index.get(key)
-                    if (
-                        meta is not None
-                        and meta.fastest is kind
-                        and all(other.traits.volatile for other in meta.sizes)
-                    ):
-                        batches.setdefault(namespace, []).append((key, meta))
-                for namespace, items in batches.items():
-                    for start in range(0, len(items), _FLUSH_BATCH):
-                        batch = items[start : start + _FLUSH_BATCH]
-                        written += len(placement.copy_down(kind, target, namespace, batch).stored)
-        if written:
-            logger.info("wrote %d blocks held only in memory to %s at close", written, target.label)
-        return written

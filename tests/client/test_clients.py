@@ -28,6 +28,7 @@ from kvstore import (
     RequestTooLarge,
     TierKind,
     chunk_keys,
+    connect,
 )
 from kvstore.client import ClientStats
 from kvstore.client.address import TOKEN_ENV
@@ -521,3 +522,19 @@ def test_a_wrong_or_missing_token_raises_at_the_first_call(
             assert (await store.lookup(ns, kv.tokens(1))).num_tokens == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("transport", ["unix-shm", "unix-bytes"])
+def test_a_get_counts_once_with_its_misses_whatever_its_transfer(
+    transport: str, daemon: Daemon, ns: Namespace
+) -> None:
+    target = daemon_target(daemon, transport)
+    with connect(target.url, **target.options) as store:
+        store.put(ns, kv.tokens(3), kv.chunks(3))
+        keys = store.lookup(ns, kv.tokens(3)).keys
+        absent = chunk_keys(ns, kv.tokens(1, start=70_000))
+        before = store.stats()
+        got = store.get(ns, [*keys, *absent])
+        after = store.stats()
+    assert [chunk is not None for chunk in got] == [True, True, True, False]
+    assert (after.gets - before.gets, after.get_misses - before.get_misses) == (1, 1)
