@@ -184,6 +184,7 @@ def summarize(
             "gpus": config.engine.gpus,
             "closed_loop": workload.closed_loop,
             "lanes": len(workload.lanes),
+            "seed": config.seed,
             "tick_s": config.tick_s,
             "horizons": list(horizons),
             "max_requests": config.max_requests,
