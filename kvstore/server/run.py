@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
-import functools
 import logging
 import os
 import signal
@@ -113,8 +112,11 @@ class Server:
         for directory in _store_directories(self.config):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         predictor = await self._predictor()
+        # The daemon flushes on its way out, within ``flush_timeout_s`` (``stop``); its
+        # store's own close must not flush again past that deadline.
+        store_config = dataclasses.replace(self.config.store, flush_on_close=False)
         self.store = await asyncio.to_thread(
-            TieredStore, self.config.store, policy=predictor.policy if predictor else None
+            TieredStore, store_config, policy=predictor.policy if predictor else None
         )
         if predictor is not None:
             predictor.attach(self.store)
@@ -250,7 +252,7 @@ class Server:
             except KVStoreError:
                 log.exception("flush failed")
             finally:
-                await asyncio.to_thread(functools.partial(store.close, flush=False))
+                await asyncio.to_thread(store.close)
         log.info("stopped in %.2f s", time.monotonic() - started)
 
     async def _drain(self, runner: web.AppRunner, state: DaemonState) -> None:

@@ -355,11 +355,11 @@ class TieredStore(Closing):
     def tier_kinds(self) -> list[TierKind]:
         return list(self.core.placement.order)
 
-    def close(self, *, flush: bool | None = None) -> None:
-        """Copy what only the memory tiers hold into the first persistent tier (``flush``,
-        by default ``config.flush_on_close``: a store opened again then has it), stop the
-        scrubber and close every tier (idempotent)."""
-        if (self.config.flush_on_close if flush is None else flush) and not self.core.closed:
+    def close(self) -> None:
+        """Copy what only the memory tiers hold into the first persistent tier
+        (``config.flush_on_close``: a store opened again then has it), stop the scrubber
+        and close every tier (idempotent)."""
+        if self.config.flush_on_close and not self.core.closed:
             written = self.flush()
             if written:
                 logger.info("wrote %d block(s) held only in memory down at close", written)
