@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint typecheck bench serve clean install-vllm test-vllm
+.PHONY: install test lint typecheck bench soak serve clean install-vllm test-vllm
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ serve:
 bench:
 	mkdir -p bench/out
 	$(BIN)/python bench/tiers.py --json > bench/out/tiers.json
+
+# The reliability campaign's long form: 200 kill -9 cycles, every Redis fault for 200
+# windows, fuzzing, resource faults, a 30-minute soak (SOAK_SCALE=short: ~5 minutes).
+SOAK_SCALE ?= long
+soak:
+	mkdir -p bench/out
+	$(BIN)/python bench/reliability.py --scale $(SOAK_SCALE) --json > bench/out/reliability.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

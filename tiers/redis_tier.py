@@ -249,8 +249,8 @@ class RedisTier:
         cluster: bool = False,
         key_prefix: str = "kvs",
         ttl_s: int | None = None,
-        socket_timeout_s: float = 2.0,
-        connect_timeout_s: float = 1.0,
+        socket_timeout_s: float = 1.0,
+        connect_timeout_s: float = 0.5,
         max_connections: int = 32,
         access: RedisAccess | None = None,
     ) -> None:

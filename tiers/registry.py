@@ -42,8 +42,10 @@ class TierConfig:
     cluster: bool = False
     key_prefix: str = "kvs"
     ttl_s: int | None = None
-    socket_timeout_s: float = 2.0
-    connect_timeout_s: float = 1.0
+    # A hung Redis costs a request these once (then the tier's breaker answers for it):
+    # together under the client's 2 s, so that one request degrades, not times out.
+    socket_timeout_s: float = 1.0
+    connect_timeout_s: float = 0.5
     # redis AUTH and TLS (``kvstore.tiers.redis_access``); a URL may carry them too
     username: str | None = None
     password: str | None = field(default=None, repr=False)
