@@ -364,6 +364,7 @@ def temp_dir(prefix: str = "kvs-bench-", base: str | Path | None = None) -> Iter
 
 # -- child processes ---------------------------------------------------------
 
+
 def answers_healthz(socket_path: Path) -> bool:
     """Whether ``GET /healthz`` over the Unix socket answers 200 (raw HTTP, no client)."""
     try:

@@ -42,17 +42,21 @@ hung master: one socket timeout, plus one more if redis-py refreshes its slot
 map from it; see ``_run_cluster`` for the redis-py pipeline behaviour this
 avoids): its keys are misses (``get_many``, ``contains_many``), not stored
 (``put_many`` stores and accounts the rest, then raises ``TierRefused`` naming
-the master, or ``TierUnavailable`` if no master stored any) or not deleted,
-while the other masters' keys are served as usual. The failure is counted once
-per master per batch (``node_failures``) and logged once when a master stops
-answering and once when it is back, never per key. Only a batch that reached
-no master raises from a read. After ``cluster-node-timeout`` the healthy
-masters of a cluster without replicas answer ``CLUSTERDOWN`` to everything
-unless it runs with ``cluster-require-full-coverage no``. The same client
-reconnects by itself once Redis is back. ``-OOM`` replies (``maxmemory`` with
-``noeviction``) become ``TierFull``. A refused login (wrong password or user,
-no password) is not a down master: it fails the whole batch, saying so. All redis-py
-exceptions are translated here and nowhere else.
+the master) or not deleted, while the other masters' keys are served as usual.
+The failure opens that master's breaker (``kvstore.breaker``): until a PING on
+the breaker's own thread finds it back, its share of every batch is answered
+at once, without a round trip, so a hung master costs one timeout per outage,
+not one per batch. It is counted once per master per failed batch
+(``node_failures``) and logged once when the master stops answering and once
+when it is back. Only when no master of the cluster answers does a batch
+raise, and the tier's own breaker takes over. After ``cluster-node-timeout``
+the healthy masters of a cluster without replicas answer ``CLUSTERDOWN`` to
+everything unless it runs with ``cluster-require-full-coverage no``. The same
+client reconnects by itself once Redis is back. ``-OOM`` replies
+(``maxmemory`` with ``noeviction``) become ``TierFull``. A refused login
+(wrong password or user, no password) is not a down master: it fails the whole
+batch, saying so. All redis-py exceptions are translated here and nowhere
+else.
 
 Credentials and TLS (``RedisAccess``, ``kvstore.tiers.redis_access``) are the
 same for every node; redis-py hands them to each master it discovers.
@@ -71,7 +75,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +87,7 @@ from redis.cluster import PipelineCommand
 from redis.retry import Retry
 
 from kvstore.block import HEADER_BYTES, Block
+from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
@@ -206,6 +211,15 @@ def _is_node_down(result: object) -> bool:
     return isinstance(result, _NODE_DOWN) and not isinstance(result, _REFUSED)
 
 
+def _ping(client: redis.cluster.RedisCluster, node: str) -> None:
+    """PING master ``node`` (``host:port``); raises as the master fails."""
+    host, _, port = node.rpartition(":")
+    found = client.get_node(host=host, port=int(port))
+    if found is None or found.redis_connection is None:
+        raise redis.exceptions.ConnectionError(f"{node} is not in the slot map")
+    found.redis_connection.ping()
+
+
 @dataclass(frozen=True, slots=True)
 class _Unreached:
     """The result of a command whose node did not answer: a miss or a failed put, never
@@ -274,10 +288,12 @@ class RedisTier:
         self._sizes: dict[bytes, int] = {}
         self._used = 0
         self._closed = False
-        # Owned by ``_note_nodes``, under ``_lock``: masters whose last share failed,
-        # and how many shares have failed in all (one per master per batch).
-        self._unreachable: set[str] = set()
+        # Under ``_lock``: how many shares have failed in all (one per master per batch),
+        # and a breaker per master (``_breaker``) that answers for a master while it is
+        # down, so its share costs nothing and the rest of a batch is served.
         self._node_failures = 0
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._breaker_config = BreakerConfig(min_open_s=0.5, max_open_s=10.0)
         connection_kwargs: dict[str, Any] = {
             "decode_responses": False,
             "socket_timeout": socket_timeout_s,
@@ -367,18 +383,26 @@ class RedisTier:
         """``commands`` split by master, one pipelined round trip per master's share.
 
         A master that is down or hung fails only its share: those results are
-        ``_Unreached``, and the rest of the batch is served. A batch that
-        reached no master at all raises, as a standalone Redis that is down
-        does. A refused login raises whatever the other masters said.
+        ``_Unreached``, and the rest of the batch is served. Its failure opens its
+        breaker: while open, its shares are ``_Unreached`` at once, without a round
+        trip, until a probe (PING, on the breaker's thread) finds it answering. Only
+        when no master of the cluster answers does the batch raise, as a standalone
+        Redis that is down does (and the tier's own breaker takes over). A refused
+        login raises whatever the other masters said.
 
         Shares go one after another, not in one pipeline across masters: redis-py
         reads the masters in turn either way, and measured on three loopback
         masters (64 GETs of 256 KiB) both take 12-16 ms.
         """
         results: list[Any] = [None] * len(commands)
-        answered: list[str] = []
+        answered = 0
         failed: dict[str, BaseException] = {}
         for node, positions in _shares(client, commands).items():
+            breaker = self._breaker(client, node)
+            if not breaker.allow():
+                for i in positions:
+                    results[i] = _Unreached(node)
+                continue
             try:
                 answers = _run_cluster(client, [commands[i] for i in positions])
             except _NODE_DOWN as error:
@@ -392,32 +416,32 @@ class RedisTier:
                     failed.setdefault(node, answer)
                     answer = _Unreached(node)
                 results[i] = answer
-            if node not in failed:
-                answered.append(node)
-        self._note_nodes(answered, failed)
-        if failed and not answered:
+            if node in failed:
+                breaker.failed()
+            else:
+                answered += 1
+        with self._lock:
+            self._node_failures += len(failed)
+        if failed and not answered and self._all_masters_down(client):
             raise next(iter(failed.values()))
         return results
 
-    def _note_nodes(self, answered: Sequence[str], failed: Mapping[str, BaseException]) -> None:
-        """Count failed shares; log a master once when it stops answering and once when
-        it is back, never once per key or per batch."""
+    def _breaker(self, client: redis.cluster.RedisCluster, node: str) -> CircuitBreaker:
+        """Master ``node``'s breaker (made on first use); its probe PINGs the master."""
         with self._lock:
-            self._node_failures += len(failed)
-            lost = [node for node in failed if node not in self._unreachable]
-            back = [node for node in answered if node in self._unreachable]
-            self._unreachable.update(lost)
-            self._unreachable.difference_update(back)
-        for node in lost:
-            error = failed[node]
-            log.warning(
-                "redis master %s did not answer (%s: %s): its keys are misses until it does",
-                node,
-                type(error).__name__,
-                error,
-            )
-        for node in back:
-            log.info("redis master %s answers again", node)
+            breaker = self._breakers.get(node)
+            if breaker is None:
+                breaker = self._breakers[node] = CircuitBreaker(
+                    f"redis master {node}", lambda: _ping(client, node), self._breaker_config
+                )
+            return breaker
+
+    def _all_masters_down(self, client: redis.cluster.RedisCluster) -> bool:
+        """Whether every master the slot map knows has its breaker open."""
+        with self._lock:
+            breakers = dict(self._breakers)
+        masters = {node.name for node in client.get_primaries()} or set(breakers)
+        return all(node in breakers and breakers[node].is_open for node in masters)
 
     @property
     def node_failures(self) -> int:
@@ -427,9 +451,9 @@ class RedisTier:
             return self._node_failures
 
     def unreachable_nodes(self) -> frozenset[str]:
-        """The masters (``host:port``) whose last share of a batch failed."""
+        """The masters (``host:port``) whose breaker is open: their keys are misses."""
         with self._lock:
-            return frozenset(self._unreachable)
+            return frozenset(node for node, breaker in self._breakers.items() if breaker.is_open)
 
     def _forget(self, redis_keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -470,11 +494,10 @@ class RedisTier:
             with _backend_errors("put_many"):
                 raise refused
         if unreached:
-            # Some masters stored their share: the tier is up in part, and its breaker
-            # (``kvstore.store.breaker``) must not take the healthy masters out with it.
-            partial = TierRefused if len(unreached) < len(items) else TierUnavailable
+            # The cluster is up in part (``_run_per_node`` raised if no master was): the
+            # tier's breaker (``kvstore.breaker``) must not take the others out with it.
             nodes = ", ".join(sorted({result.node for result in unreached}))
-            raise partial(
+            raise TierRefused(
                 _TIER,
                 f"put_many: {len(unreached)} of {len(items)} blocks not stored: "
                 f"master(s) {nodes} did not answer",
@@ -624,6 +647,9 @@ class RedisTier:
                 return
             self._closed = True
             client, self._client = self._client, None
+            breakers = list(self._breakers.values())
+        for breaker in breakers:
+            breaker.close()
         if client is not None:
             client.close()
         if self._pool is not None:

@@ -130,7 +130,7 @@ class StoreConfig:
     hold into its first persistent tier, so that it reopens with them.
     ``breaker_min_open_s`` / ``breaker_max_open_s``: after a tier's backend fails,
     how long its calls are answered as misses before the first probe, and at most
-    between probes while it stays down (``kvstore.store.breaker``).
+    between probes while it stays down (``kvstore.breaker``).
     """
 
     tiers: tuple[TierConfig, ...]

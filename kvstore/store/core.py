@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvstore.block import HEADER_BYTES, Block
+from kvstore.breaker import BreakerConfig
 from kvstore.codec import CodecSpec
 from kvstore.errors import KVStoreError, LayoutMismatch, RequestTooLarge, UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
-from kvstore.store.breaker import BreakerConfig
 from kvstore.store.chunk import KVChunk
 from kvstore.store.config import StoreConfig
 from kvstore.store.eviction import EvictionPolicy, LRUPolicy
@@ -202,7 +202,7 @@ class StoreCore:
         if lost:
             with self.lock:
                 for key in lost:
-                    self.placement.forget(kind, namespace.digest, key)
+                    self.placement.unindex(kind, key)
 
     # -- writing ----------------------------------------------------------------
 
@@ -307,9 +307,11 @@ class StoreCore:
             counters.hits += len(outcome.chunks)
             counters.bytes_read += outcome.bytes_read
             counters.corrupt_blocks += len(outcome.bad)
-            vanished = [key for key in outcome.absent if self.index.holds(kind, key)]
-            for key in outcome.bad + vanished:
+            for key in outcome.bad:
                 self.placement.forget(kind, namespace.digest, key)
+            for key in outcome.absent:
+                if self.index.holds(kind, key):  # vanished: nothing there to delete
+                    self.placement.unindex(kind, key)
 
     def after_hits(
         self, namespace: Namespace, keys: list[ChunkKey], results: Sequence[KVChunk | None]

@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvstore.block import Block
+from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.errors import TierError, TierFull, TierRefused
 from kvstore.keys import KEY_BYTES, ChunkKey
-from kvstore.store.breaker import BreakerConfig, CircuitBreaker
 from kvstore.store.stats import TierCounters
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, Tier
 
@@ -49,7 +49,7 @@ class GuardedTier:
         self._counters = counters
         self._lock = lock
         self.breaker = CircuitBreaker(
-            tier.kind.label,
+            f"tier {tier.kind.label}",
             lambda: tier.contains_many(_PROBE_NAMESPACE, _PROBE_KEYS),
             breaker,
         )

@@ -396,12 +396,18 @@ class Placement:
         return CopiedDown(stored, {a.key for a in admissions} - stored)
 
     def forget(self, kind: TierKind, namespace: bytes, key: ChunkKey) -> int:
-        """Delete ``kind``'s copy of ``key`` (bad, vanished or unwanted) and forget it;
-        returns how many the tier deleted."""
+        """Delete ``kind``'s copy of ``key`` (bad or unwanted) and forget it; returns how
+        many the tier deleted."""
         deleted = self.tiers[kind].delete_many(namespace, [key])
+        self.unindex(kind, key)
+        return deleted
+
+    def unindex(self, kind: TierKind, key: ChunkKey) -> None:
+        """Forget ``kind``'s copy of ``key`` without asking the tier to delete it: the
+        tier answered that it has none (evicted, expired, or behind a master that is
+        down, which may still hold it: a delete sent there would only wait on it)."""
         if self._index.drop(kind, key):
             self._policy.on_remove(kind, key)
-        return deleted
 
     def forget_everywhere(self, namespace: bytes, key: ChunkKey) -> bool:
         """Delete every copy of ``key`` (and any a shared tier may hold without this

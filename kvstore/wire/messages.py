@@ -102,4 +102,3 @@ def hex_bytes(text: Any, what: str) -> bytes:
     if len(raw) != KEY_BYTES:
         raise WireError(ErrorCode.BAD_REQUEST, f"{what} must be {KEY_BYTES * 2} hex digits")
     return raw
-

@@ -11,7 +11,7 @@ import numpy as np
 from support import kv
 from support.redis_servers import RedisServer
 
-from kvstore.store.breaker import BreakerConfig, CircuitBreaker
+from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
 

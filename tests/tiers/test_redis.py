@@ -344,7 +344,9 @@ def test_cluster_batch_degrades_per_master(
     fault: str,
 ) -> None:
     """A batch touching one dead (SIGKILL) or hung (SIGSTOP) master still serves the
-    healthy masters' keys, and the failure is counted and logged once per master."""
+    healthy masters' keys. The first failure opens that master's breaker: later batches
+    skip it without a round trip, so only the first pays a timeout; it is logged once
+    when it fails and once when it is back."""
     tier = make_tier(
         clean_redis_cluster.startup_nodes,
         cluster=True,
@@ -364,31 +366,36 @@ def test_cluster_batch_degrades_per_master(
     ]
     victim_only = [key for key, gone in zip(keys, lost, strict=True) if gone]
 
-    batches = 3  # a bounded fault loop: each pass at most one timeout, not one per key
+    batches = 3  # a bounded fault loop
     victim.kill() if fault == "killed" else victim.pause()
     try:
-        with caplog.at_level("INFO", logger="kvstore.tiers.redis_tier"):
+        with caplog.at_level("INFO", logger="kvstore.breaker"):
+            took = []
             for _ in range(batches):
                 start = time.monotonic()
                 assert served_exactly(tier.get_many(NS.digest, keys), items, lost)
-                assert time.monotonic() - start < BOUND_S
+                took.append(time.monotonic() - start)
+            assert took[0] < BOUND_S and max(took[1:]) < 0.25  # the breaker answers for it
             assert tier.contains_many(NS.digest, keys) == [not gone for gone in lost]
             with pytest.raises(TierRefused, match=victim_name):
                 tier.put_many(NS.digest, fresh)  # ...but the healthy masters took theirs
             assert served_exactly(
                 tier.get_many(NS.digest, [k for k, _ in fresh]), fresh, fresh_lost
             )
-            # A batch on the lost master alone reached nobody: the tier is down for it.
-            assert_unavailable_quickly(lambda: tier.get_many(NS.digest, victim_only))
+            # A batch on the lost master alone: misses, the others being up.
+            assert tier.get_many(NS.digest, victim_only) == [None] * len(victim_only)
             assert tier.unreachable_nodes() == {victim_name}
-            assert tier.node_failures == batches + 4
+            assert tier.node_failures == 1
             warnings = [r for r in caplog.records if r.levelname == "WARNING"]
             assert len(warnings) == 1 and victim_name in warnings[0].getMessage()
     finally:
         victim.resume() if fault == "hung" else clean_redis_cluster.start()
 
     # Back: a killed master rejoins empty (no persistence), a resumed one as it was.
-    with caplog.at_level("INFO", logger="kvstore.tiers.redis_tier"):
+    with caplog.at_level("INFO", logger="kvstore.breaker"):
+        deadline = time.monotonic() + 15
+        while tier.unreachable_nodes() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the breaker's probe finds it back
         values = tier.get_many(NS.digest, keys)
     assert served_exactly(values, items, lost if fault == "killed" else [False] * len(keys))
     assert tier.unreachable_nodes() == frozenset()

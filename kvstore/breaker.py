@@ -1,5 +1,7 @@
-"""A circuit breaker per tier: after a backend failure, stop calling it until a probe
-finds it answering again.
+"""A circuit breaker: after a backend fails, stop calling it until a probe finds it
+answering again. One per tier (``kvstore.store.guarded``), and one per master of a
+Redis Cluster (``kvstore.tiers.redis_tier``), so that one dead master does not take
+the others out with it.
 
 A tier that hangs (a stopped Redis, a dead NFS mount) costs its socket timeout
 on every call. Calls that wait on it hold up whatever they hold: the store
@@ -90,12 +92,10 @@ class CircuitBreaker:
             self.trips += 1
             self._wake.clear()
             self._thread = threading.Thread(
-                target=self._probe_until_closed, name=f"kvstore-breaker-{self.name}", daemon=True
+                target=self._probe_until_closed, name=f"kvstore-breaker ({self.name})", daemon=True
             )
             thread = self._thread
-        logger.warning(
-            "tier %s failed: calls to it are answered as misses until it recovers", self.name
-        )
+        logger.warning("%s failed: calls to it are answered as misses until it recovers", self.name)
         thread.start()
 
     def close(self) -> None:
@@ -120,5 +120,5 @@ class CircuitBreaker:
                 down_s = self._clock() - (self.opened_at or self._clock())
                 self._open = False
                 self._thread = None
-            logger.warning("tier %s answers again after %.1f s", self.name, down_s)
+            logger.warning("%s answers again after %.1f s", self.name, down_s)
             return
