@@ -2,9 +2,7 @@
 real three-master cluster) behind the fault proxy, one window per fault mode.
 
 The scenario runs once for the module; each test reads one property off its
-report. The two ``xfail(strict=True)`` tests pin availability bugs of the
-store that the cluster part finds (see their reasons): they fail the day the
-bug is fixed, so the mark comes off then.
+report.
 """
 
 from __future__ import annotations
@@ -100,25 +98,15 @@ def test_one_faulty_master_reads_right_or_miss_and_recovers(report: Report) -> N
 
 
 @pytest.mark.cluster
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hung or reset master opens the breaker of the whole Redis tier: the store "
-    "reads its unreached keys as gone and deletes them (placement.forget), a DEL that "
-    "reaches no master and so raises; every healthy master's chunk is then a miss",
-)
 def test_one_faulty_master_leaves_the_others_serving(report: Report) -> None:
+    """Its keys are misses; the other masters' are served (a breaker per master)."""
     for name, mode in modes(report, "cluster").items():
         assert mode["healthy_master_chunks_missed"] == 0, name
 
 
 @pytest.mark.cluster
-@pytest.mark.xfail(
-    strict=True,
-    reason="the DEL of a hung master's 'gone' keys (placement.forget, from core.read and "
-    "core._confirm_shared) runs under the store lock, so DRAM hits wait a socket timeout "
-    "or two (and the Redis-held call that started it may overrun the deadline)",
-)
 def test_one_hung_master_does_not_hold_up_dram_hits(report: Report) -> None:
+    """Nothing waits on the hung master under the store lock."""
     assert modes(report, "cluster")["stall"]["get_ms"]["dram"]["p99"] <= dram_p99_bound_ms(
         report, "cluster"
     )
