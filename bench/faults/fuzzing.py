@@ -1,0 +1,1008 @@
+"""Scenario ``fuzzing``: hostile inputs on every route, header and decoder, and the
+canary data still there afterwards (the reliability plan, section 4 item 10).
+
+::
+
+    DaemonSpec (DRAM + LMDB, Unix socket + TCP with a token)
+      │
+      ├─ canary: three namespaces' chains put with kvstore.connect, bytes recorded
+      │
+      ├─ HTTP targets, one hypothesis run each (fuzz_inputs: random JSON, edited
+      │  valid messages, mutated valid put bodies, garbage), over either
+      │  transport, with the right token, a wrong one or none:
+      │    namespaces lookup put get leases delete events operational headers(raw)
+      │  every answer: a status under 500, an error body as docs/http_api.md
+      │  says, a frames body that decodes, no success without the token, an
+      │  answer (or a close) within HANG_S; the daemon still running after each
+      │
+      ├─ in-process targets: FrameDecoder and parse_meta (frame_decoder), and
+      │  parse_header / verify_* / stored_block / seal_block / decode_payload
+      │  (block_header) fed mutated valid bodies and blocks: only kvstore's own
+      │  errors (KVStoreError), each call within CALL_S
+      │
+      └─ canary read back over both transports, byte for byte
+
+Every failing input is saved under ``workdir/failures/`` (the request as raw
+bytes to replay with ``nc -U``, or the decoder's input) beside a JSON note of
+what went wrong; the first few are in the report.
+
+Hypothesis drives every target: each runs in batches of ``_BATCH`` examples,
+batch ``i`` seeded from ``(seed, target, i)``, generation only (nothing is
+raised into hypothesis, so nothing shrinks), and the scale's clock is checked
+between examples. The same seed sends the same inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import socket
+import threading
+import time
+import traceback
+import urllib.parse
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from faults import fuzz_inputs as fi
+from faults.campaign import DaemonSpec, Report, Scale, tcp_settings
+from kvstore import connect
+from kvstore.block import (
+    HEADER_BYTES,
+    Codec,
+    checksum_trailer,
+    copy_payload,
+    encode_block,
+    fill_sealed,
+    fill_verified,
+    parse_header,
+    payload_hasher,
+    seal_block,
+    stored_block,
+    verify_block,
+    verify_parts,
+)
+from kvstore.block import check_identity as check_block_identity
+from kvstore.codec import decode_payload, encode_payload
+from kvstore.errors import KVStoreError
+from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.wire.codes import ErrorCode
+from kvstore.wire.frames import (
+    FRAMES_CONTENT_TYPE,
+    META_LENGTH,
+    FrameDecoder,
+    FrameLimits,
+    meta_length,
+    parse_meta,
+)
+from kvstore.wire.messages import namespace_to_json
+
+SCENARIO = "fuzzing"
+SEED = 10
+HANG_S = 10.0  # an HTTP request not answered (nor its connection closed) by then hangs
+CALL_S = 2.0  # an in-process decoder call taking longer hangs
+_QUIET_S = 0.25  # a raw request unanswered this long is half-closed: the daemon sees its end
+_BATCH = 50
+_SAVED_FAILURES = 100
+_REPORTED_FAILURES = 5
+MUST_BE_ZERO = (
+    "http_5xx",
+    "unexpected_exceptions",
+    "hangs",
+    "daemon_crashes",
+    "canary_changed",
+    "malformed_responses",
+    "auth_bypasses",
+    "daemon_tracebacks",
+    "harness_errors",
+)
+HTTP_TARGETS = (
+    "namespaces",
+    "lookup",
+    "put",
+    "get",
+    "leases",
+    "delete",
+    "events",
+    "operational",
+    "headers",
+)
+IN_PROCESS_TARGETS = ("frame_decoder", "block_header")
+# An in-process case costs far less than a request: this many for each of a request's.
+_IN_PROCESS_FACTOR = 5
+# What every fuzz namespace and canary shares: small chunks, so cases stay fast.
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
+
+
+def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
+    """Fuzz a daemon's routes and the wire decoders at ``scale``; see the module docstring."""
+    started = time.monotonic()
+    deadline = scale.until()
+    findings = Findings(workdir / "failures")
+    spec = DaemonSpec(workdir / "daemon", daemon=tcp_settings())
+    per_http_target = scale.requests * scale.cycles
+    cases: dict[str, int] = {}
+    with _Daemon(spec) as daemon:
+        canaries = [_write_canary(daemon, name, index) for index, name in enumerate("abc")]
+        changed_before = sum(_canary_changes(daemon, canary) for canary in canaries)
+        if changed_before:
+            raise RuntimeError(f"canary data did not read back before fuzzing: {changed_before}")
+        targets = _http_targets(daemon, findings) + _in_process_targets(findings)
+        for index, target in enumerate(targets):
+            share = (deadline - time.monotonic()) / (len(targets) - index)
+            count = per_http_target * (1 if target.over_http else _IN_PROCESS_FACTOR)
+            cases[target.name] = _drive(target, count, time.monotonic() + share, seed, findings)
+            if target.over_http and not daemon.alive():
+                findings.record("daemon_crashes", target.name, daemon.log_tail(), b"")
+                daemon.restart()
+        canary_changed = sum(_canary_changes(daemon, canary) for canary in canaries)
+        daemon_tracebacks = daemon.log_text().count("Traceback")
+    elapsed = time.monotonic() - started
+    figures: dict[str, Any] = {
+        "seed": seed,
+        "cases": cases,
+        "http_requests": sum(findings.statuses.values()),
+        "statuses_by_target": {
+            name: dict(sorted(statuses.items())) for name, statuses in findings.by_target.items()
+        },
+        **{kind: findings.counts[kind] for kind in MUST_BE_ZERO},
+        "canary_changed": canary_changed,
+        "daemon_tracebacks": daemon_tracebacks,
+        "statuses": dict(sorted(findings.statuses.items())),
+        "elapsed_s": round(elapsed, 2),
+        "failures_dir": str(findings.directory),
+        "first_failures": findings.first,
+    }
+    return Report(SCENARIO, figures, MUST_BE_ZERO)
+
+
+# -- findings --------------------------------------------------------------------------
+
+
+class Findings:
+    """What went wrong, counted by kind, the first ``_SAVED_FAILURES`` inputs saved
+    under ``directory``; and every answer's status."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.counts: Counter[str] = Counter()
+        self.statuses: Counter[str] = Counter()
+        self.by_target: dict[str, Counter[str]] = {}
+        self.first: list[dict[str, Any]] = []
+        self._saved = 0
+
+    def answered(self, target: str, status: str) -> None:
+        """Count an HTTP exchange by how it ended: a status, ``closed``, ``hang``..."""
+        self.statuses[status] += 1
+        self.by_target.setdefault(target, Counter())[status] += 1
+
+    def record(self, kind: str, target: str, detail: str, data: bytes) -> None:
+        self.counts[kind] += 1
+        if self._saved >= _SAVED_FAILURES:
+            return
+        self._saved += 1
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stem = self.directory / f"{self._saved:04d}-{target}-{kind}"
+        stem.with_suffix(".bin").write_bytes(data)
+        note = {"target": target, "kind": kind, "detail": detail, "input": str(stem) + ".bin"}
+        stem.with_suffix(".json").write_text(json.dumps(note, indent=2) + "\n")
+        if len(self.first) < _REPORTED_FAILURES:
+            shown = data[:160].decode("latin-1").encode("unicode_escape").decode()
+            self.first.append({**note, "detail": detail[-600:], "input_head": shown})
+
+
+# -- driving hypothesis ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One thing fuzzed: its inputs, and ``check``, which sends one and records
+    whatever went wrong in the ``Findings`` (it never raises for a finding)."""
+
+    name: str
+    inputs: st.SearchStrategy[Any]
+    check: Callable[[Any], None]
+    over_http: bool = True
+
+
+def _drive(target: Target, count: int, deadline: float, seed: int, findings: Findings) -> int:
+    """Run ``target`` on up to ``count`` generated inputs before ``deadline``; how many ran."""
+    ran = 0
+    for batch in range(count):
+        if ran >= count or time.monotonic() >= deadline:
+            break
+        before = ran
+        size = min(_BATCH, count - ran)
+
+        @hypothesis_seed(zlib.crc32(f"{seed}:{target.name}:{batch}".encode()))
+        @settings(
+            max_examples=size,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(target.inputs)
+        def one(case: Any) -> None:
+            nonlocal ran
+            if ran < count and time.monotonic() < deadline:
+                ran += 1
+                try:
+                    target.check(case)
+                except Exception:  # the fuzzer's own bug: counted, and the run goes on
+                    findings.record("harness_errors", target.name, traceback.format_exc(), b"")
+
+        one()
+        if ran == before:  # hypothesis found nothing new to try
+            break
+    return ran
+
+
+# -- the daemon --------------------------------------------------------------------------
+
+
+class _Daemon:
+    """The daemon under fuzz and the HTTP clients of both its transports; restarted
+    (same data directory) if it dies."""
+
+    def __init__(self, spec: DaemonSpec) -> None:
+        self.spec = spec
+        self.token = str(spec.daemon["auth_token"])
+        self.tcp_url = f"http://127.0.0.1:{spec.daemon['tcp_port']}"
+        self.leases: list[str] = []  # granted by shared-memory gets, not yet released
+        self._stack = contextlib.ExitStack()
+        self._process = spec.process()
+
+    def __enter__(self) -> _Daemon:
+        self._stack.__enter__()
+        self._start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.__exit__(None, None, None)
+        self._process.__exit__()
+
+    def _start(self) -> None:
+        self._process.__enter__()
+        timeout = httpx.Timeout(HANG_S)
+        self.unix = self._stack.enter_context(
+            httpx.Client(
+                transport=httpx.HTTPTransport(uds=str(self.spec.socket_path)),
+                base_url="http://kvstore",
+                timeout=timeout,
+            )
+        )
+        self.tcp = self._stack.enter_context(httpx.Client(base_url=self.tcp_url, timeout=timeout))
+
+    def alive(self) -> bool:
+        proc = self._process.proc
+        return proc is not None and proc.poll() is None
+
+    def restart(self) -> None:
+        self._process.__exit__()
+        self._process = self.spec.process()
+        self._start()
+
+    def log_text(self) -> str:
+        with contextlib.suppress(OSError):
+            return self._process.log_path.read_text(errors="replace")
+        return ""
+
+    def log_tail(self) -> str:
+        return self._process.log_tail()
+
+
+# -- canary data -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A chain put before the fuzzing, and its chunks' exact bytes."""
+
+    namespace: Namespace
+    keys: list[ChunkKey]
+    chunks: list[bytes]
+
+
+def _write_canary(daemon: _Daemon, name: str, index: int) -> Canary:
+    """Chain ``name`` of 6 chunks, put over the Unix socket (the last over TCP)."""
+    namespace = Namespace("fuzz-canary", LAYOUT, tenant_salt=f"canary-{name}")
+    tokens = np.arange(index * 10_000, index * 10_000 + 6 * LAYOUT.chunk_tokens, dtype=np.int64)
+    rng = np.random.default_rng(index)
+    chunks = [rng.bytes(LAYOUT.chunk_nbytes) for _ in range(6)]
+    with _client(daemon, tcp=index == 2) as client:
+        stored = client.put(namespace, tokens, chunks)
+    if stored != len(chunks):
+        raise RuntimeError(f"canary {name}: {stored} of {len(chunks)} chunks stored")
+    return Canary(namespace, chunk_keys(namespace, tokens), chunks)
+
+
+def _canary_changes(daemon: _Daemon, canary: Canary) -> int:
+    """Chunks of ``canary`` that do not read back as written, over each transport
+    (the Unix socket's gets use shared memory, TCP's bytes)."""
+    changed = 0
+    for tcp in (False, True):
+        with _client(daemon, tcp=tcp) as client:
+            got = client.get(canary.namespace, canary.keys)
+        for chunk, expected in zip(got, canary.chunks, strict=True):
+            changed += chunk is None or bytes(chunk.payload) != expected
+    return changed
+
+
+@contextlib.contextmanager
+def _client(daemon: _Daemon, *, tcp: bool) -> Iterator[Any]:
+    url = daemon.tcp_url if tcp else daemon.spec.url
+    with connect(url, token=daemon.token if tcp else None, timeout_s=HANG_S) as client:
+        yield client
+
+
+# -- the fuzz namespace: valid messages to start from ------------------------------------
+
+
+@dataclass(frozen=True)
+class Valid:
+    """Valid bodies of every route, over a namespace of the fuzzer's own (never a
+    canary's: an edited delete must not be able to hit a canary by chance)."""
+
+    json: dict[str, list[Any]]  # route -> its valid JSON bodies
+    puts: list[fi.Seed]  # valid put bodies (one per seal), numbers marked
+    put_metas: list[tuple[dict[str, Any], bytes]]  # (metadata, the blocks' bytes)
+
+
+def _fuzz_chain() -> tuple[Namespace, list[ChunkKey], list[memoryview]]:
+    """The fuzzer's own namespace, a chain of 4 keys in it, and their payloads."""
+    namespace = Namespace("fuzz-target", LAYOUT, tenant_salt="fuzz")
+    keys = chunk_keys(namespace, np.arange(0, 4 * LAYOUT.chunk_tokens, dtype=np.int64))
+    rng = np.random.default_rng(7)
+    return namespace, keys, [memoryview(rng.bytes(LAYOUT.chunk_nbytes)) for _ in keys]
+
+
+def _valid(daemon: _Daemon) -> Valid:
+    """Valid bodies of every route, the fuzz chain stored and one of its leases granted."""
+    namespace, keys, payloads = _fuzz_chain()
+    digest, hex_keys = namespace.digest.hex(), [key.hex() for key in keys]
+    puts: list[fi.Seed] = []
+    put_metas: list[tuple[dict[str, Any], bytes]] = []
+    for seal in ("header", "trailer", "daemon"):
+        meta, blocks = _put_parts(namespace, keys, payloads, seal)
+        puts.append(_put_seed(meta, blocks))
+        put_metas.append((meta, b"".join(blocks)))
+    registered = daemon.unix.post("/v1/namespaces", json=namespace_to_json(namespace))
+    stored = daemon.unix.post(
+        "/v1/put", content=puts[0].data, headers={"Content-Type": FRAMES_CONTENT_TYPE}
+    )
+    leased = daemon.unix.post(
+        "/v1/get", json={"namespace": digest, "keys": hex_keys, "transfer": "shm"}
+    )
+    if not registered.is_success or not stored.is_success or not leased.is_success:
+        raise RuntimeError(f"the fuzz namespace could not be set up: {stored.text}")
+    lease = leased.json()["lease"]
+    now = time.time()
+    chain = {"namespace": digest, "keys": hex_keys}
+    started = {
+        "event": "request_started",
+        "session": "fuzz-session",
+        "trigger": "user",
+        "prompt_tokens": 64,
+        "cached_tokens": 32,
+        "time": now,
+        **chain,
+    }
+    finished = {
+        "event": "request_finished",
+        "session": "fuzz-session",
+        "steps": 2,
+        "output_tokens": 5,
+        "context_tokens": 69,
+        "tool_running": False,
+        "loaded_tokens": 32,
+        "recomputed_tokens": 32,
+        "time": now,
+    }
+    routes: dict[str, list[Any]] = {
+        "namespaces": [namespace_to_json(namespace)],
+        "lookup": [chain],
+        "get": [
+            {**chain, "transfer": "bytes", "continues": True},
+            {**chain, "transfer": "shm", "release": [lease, "no-such-lease"]},
+        ],
+        "delete": [{"namespace": digest, "keys": hex_keys[-1:]}],
+        "events": [started, finished],
+    }
+    for body in (started, finished):  # the predictor knows the session, for its route
+        daemon.unix.post("/v1/events", json=body)
+    return Valid(routes, puts, put_metas)
+
+
+def _put_parts(
+    namespace: Namespace, keys: list[ChunkKey], payloads: list[memoryview], seal: str
+) -> tuple[dict[str, Any], list[bytes]]:
+    """A put's metadata and its blocks as they travel with ``seal`` (the third absent)."""
+    entries: list[dict[str, Any]] = []
+    blocks: list[bytes] = []
+    for index, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+        if index == 2:
+            entries.append({"key": key.hex(), "length": None})
+            continue
+        parent = keys[index - 1] if index else None
+        block = encode_block(namespace, key, parent, payload, sealed=seal == "header")
+        entries.append({"key": key.hex(), "length": block.nbytes})
+        trailer = b""
+        if seal == "trailer":
+            hasher = payload_hasher(block.header)
+            hasher.update(block.payload)
+            trailer = checksum_trailer(hasher)
+        blocks.append(block.to_bytes() + trailer)
+    meta = {"namespace": namespace.digest.hex(), "session": "fuzz-session", "seal": seal}
+    return {**meta, "blocks": entries}, blocks
+
+
+def frames(meta: Any, blocks: bytes) -> bytes:
+    encoded = fi.dumps(meta)
+    return META_LENGTH.pack(len(encoded)) + encoded + blocks
+
+
+# A block header's numbers: (offset, width) of version, codec, dtype, the four layout
+# fields, raw_len, payload_len, checksum and the reserved bytes.
+_HEADER_NUMBERS = (
+    (4, 2),
+    (6, 1),
+    (7, 1),
+    (56, 4),
+    (60, 4),
+    (64, 4),
+    (68, 4),
+    (72, 8),
+    (80, 8),
+    (88, 8),
+    (96, 8),
+    (120, 8),
+)
+
+
+def _put_seed(meta: dict[str, Any], blocks: list[bytes]) -> fi.Seed:
+    body = frames(meta, b"".join(blocks))
+    numbers: list[tuple[int, int]] = [(0, 4)]
+    start = len(body) - sum(len(block) for block in blocks)
+    for block in blocks:
+        numbers += [(start + offset, width) for offset, width in _HEADER_NUMBERS]
+        start += len(block)
+    return fi.Seed(body, tuple(numbers))
+
+
+def _block_seed(
+    namespace: Namespace, keys: list[ChunkKey], payload: memoryview, codec: Codec
+) -> fi.Seed:
+    stored = encode_payload(payload, namespace.layout.dtype, codec)
+    block = encode_block(
+        namespace, keys[1], keys[0], memoryview(stored), codec=codec, raw_len=payload.nbytes
+    )
+    return fi.Seed(block.to_bytes(), _HEADER_NUMBERS)
+
+
+# -- HTTP targets ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HttpCase:
+    """One request as httpx sends it. ``credential`` (TCP only): ``right``, ``wrong``
+    or ``none``. A ``{lease}`` in ``path`` is replaced by a lease granted earlier."""
+
+    method: str
+    path: str
+    body: bytes = b""
+    content_type: str | None = None
+    tcp: bool = False
+    credential: str = "right"
+
+
+# Transport and credential: mostly a client that may be answered, sometimes one
+# that must be refused.
+_ACCESS = st.sampled_from(
+    [(False, "right")] * 6 + [(True, "right")] * 4 + [(True, "none"), (True, "wrong")]
+)
+_JSON_TYPES = st.sampled_from(
+    ("application/json",) * 6
+    + (None, "text/plain", FRAMES_CONTENT_TYPE, "application/json; charset=latin-1", "*/*")
+)
+_FRAMES_TYPES = st.sampled_from(
+    (FRAMES_CONTENT_TYPE,) * 8
+    + (
+        "application/json",
+        None,
+        f"{FRAMES_CONTENT_TYPE}; charset=utf-8",
+        "APPLICATION/X-KVSTORE-FRAMES",
+    )
+)
+
+
+def _http_case(
+    method: str, path: str, body: bytes, content_type: str | None, access: tuple[bool, str]
+) -> HttpCase:
+    return HttpCase(method, path, body, content_type, *access)
+
+
+def _json_bodies(templates: list[Any]) -> st.SearchStrategy[bytes]:
+    template = st.sampled_from(templates)
+    return st.one_of(
+        template.flatmap(fi.edited).map(fi.dumps),
+        template.flatmap(fi.edited).map(fi.dumps),
+        template.flatmap(fi.edited).map(fi.dumps),
+        fi.json_values().map(fi.dumps),
+        template.flatmap(fi.odd_json),
+        fi.mutated([fi.Seed(fi.dumps(body)) for body in templates]),
+        fi.garbage(),
+        template.map(fi.dumps),
+    )
+
+
+def _json_route(path: str, templates: list[Any]) -> st.SearchStrategy[HttpCase]:
+    method = st.sampled_from(("POST",) * 15 + ("GET", "PUT"))
+    return st.builds(
+        _http_case, method, st.just(path), _json_bodies(templates), _JSON_TYPES, _ACCESS
+    )
+
+
+def _put_bodies(valid: Valid) -> st.SearchStrategy[bytes]:
+    meta_and_blocks = st.sampled_from(valid.put_metas)
+    return st.one_of(
+        meta_and_blocks.flatmap(lambda mb: fi.edited(mb[0]).map(lambda meta: frames(meta, mb[1]))),
+        meta_and_blocks.flatmap(lambda mb: fi.edited(mb[0]).map(lambda meta: frames(meta, mb[1]))),
+        fi.mutated(valid.puts),
+        fi.mutated(valid.puts),
+        fi.mutated(valid.puts),
+        st.builds(
+            frames, fi.json_values(), st.sampled_from([b""] + [mb[1] for mb in valid.put_metas])
+        ),
+        meta_and_blocks.flatmap(
+            lambda mb: fi.odd_json(mb[0]).map(lambda raw: META_LENGTH.pack(len(raw)) + raw + mb[1])
+        ),
+        fi.garbage(),
+        st.sampled_from([seed.data for seed in valid.puts]),
+    )
+
+
+def _lease_paths() -> st.SearchStrategy[str]:
+    ids = st.one_of(
+        st.just("{lease}"),
+        st.just("{lease}"),
+        st.text(max_size=40),
+        st.sampled_from(("0", "-1", "..", "%2F", "a%00b", "x" * 8000, "%ff")),
+    )
+    return ids.map(lambda lease: f"/v1/leases/{_quoted(lease)}/release")
+
+
+def _quoted(text: str) -> str:
+    """``text`` for a URL path (a ``{lease}`` placeholder and %-escapes kept)."""
+    return urllib.parse.quote(text.encode("utf-8", "surrogatepass"), safe="{}%")
+
+
+_OPERATIONAL = (
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/v1/stats",
+    "/v1/shm",
+    "/v1/sessions/fuzz-session",
+)
+_POSTED = (
+    "/v1/namespaces",
+    "/v1/lookup",
+    "/v1/put",
+    "/v1/get",
+    "/v1/delete",
+    "/v1/events",
+    "/v1/leases/x/release",
+)
+
+
+def _operational_paths() -> st.SearchStrategy[str]:
+    text = st.one_of(
+        st.text(st.characters(exclude_categories=()), max_size=30), st.sampled_from(fi.ODD_TEXT)
+    )
+    query = st.one_of(st.just(""), text.map(lambda q: "?" + _quoted(q)))
+    path = st.one_of(
+        st.sampled_from(_OPERATIONAL),
+        st.sampled_from(_OPERATIONAL),
+        st.sampled_from(_POSTED),
+        text.map(lambda name: "/v1/sessions/" + _quoted(name).replace("{", "%7B")),
+        text.map(lambda name: "/" + _quoted(name).replace("{", "%7B")),
+        st.sampled_from(
+            ("/v1/sessions/%ED%A0%80", "/v1/sessions/" + "s" * 300, "/v1/", "/v2/stats")
+        ),
+    )
+    return st.builds(lambda p, q: p + q, path, query)
+
+
+def _http_targets(daemon: _Daemon, findings: Findings) -> list[Target]:
+    valid = _valid(daemon)
+    sender = _Sender(daemon, findings)
+
+    def check(target: str) -> Callable[[HttpCase], None]:
+        return lambda case: sender.send(target, case)
+
+    json_routes = [
+        Target(route, _json_route(f"/v1/{route}", valid.json[route]), check(route))
+        for route in ("namespaces", "lookup", "get", "delete", "events")
+    ]
+    put = st.builds(
+        _http_case,
+        st.sampled_from(("POST",) * 15 + ("PUT",)),
+        st.just("/v1/put"),
+        _put_bodies(valid),
+        _FRAMES_TYPES,
+        _ACCESS,
+    )
+    leases = st.builds(
+        _http_case,
+        st.sampled_from(("POST",) * 9 + ("GET",)),
+        _lease_paths(),
+        st.just(b""),
+        st.just(None),
+        _ACCESS,
+    )
+    small_bodies = st.one_of(st.just(b""), fi.garbage(), fi.json_values().map(fi.dumps))
+    operational = st.builds(
+        _http_case,
+        st.one_of(st.just("GET"), st.just("GET"), st.just("GET"), fi.methods),
+        _operational_paths(),
+        small_bodies,
+        _JSON_TYPES,
+        _ACCESS,
+    )
+    raw_paths = [
+        f"/v1/{route}" for route in ("namespaces", "lookup", "put", "get", "delete", "events")
+    ]
+    raw_paths += list(_OPERATIONAL)
+    raw_bodies = [fi.dumps(valid.json["lookup"][0]), valid.puts[0].data, b"", b"\x00" * 100]
+    right = f"Authorization: Bearer {daemon.token}".encode()
+    headers = st.one_of(
+        st.tuples(st.just((False, "right")), fi.raw_requests(raw_paths, raw_bodies, b"")),
+        st.tuples(st.just((True, "right")), fi.raw_requests(raw_paths, raw_bodies, right)),
+        st.tuples(st.just((True, "none")), fi.raw_requests(raw_paths, raw_bodies, b"")),
+    )
+    return [
+        json_routes[0],
+        json_routes[1],
+        Target("put", put, check("put")),
+        json_routes[2],
+        Target("leases", leases, check("leases")),
+        json_routes[3],
+        json_routes[4],
+        Target("operational", operational, check("operational")),
+        Target("headers", headers, lambda case: sender.send_raw("headers", *case)),
+    ]
+
+
+class _Sender:
+    """Sends requests and checks every answer against docs/http_api.md."""
+
+    def __init__(self, daemon: _Daemon, findings: Findings) -> None:
+        self.daemon = daemon
+        self.findings = findings
+
+    def send(self, target: str, case: HttpCase) -> None:
+        path = case.path
+        if "{lease}" in path:
+            path = path.replace(
+                "{lease}", self.daemon.leases.pop() if self.daemon.leases else "gone"
+            )
+        headers = {} if case.content_type is None else {"Content-Type": case.content_type}
+        if case.tcp and case.credential != "none":
+            token = (
+                self.daemon.token if case.credential == "right" else self.daemon.token[:-1] + "x"
+            )
+            headers["Authorization"] = f"Bearer {token}"
+        client = self.daemon.tcp if case.tcp else self.daemon.unix
+        replay = _as_http(case.method, path, headers, case.body)
+        try:
+            response = client.request(case.method, path, content=case.body, headers=headers)
+        except httpx.TimeoutException:
+            self.findings.answered(target, "hang")
+            self.findings.record("hangs", target, f"no answer within {HANG_S:g} s", replay)
+            return
+        except httpx.InvalidURL:
+            self.findings.answered(target, "unsendable")  # httpx refuses to send it
+            return
+        except httpx.TransportError as error:
+            # The daemon may close a connection it refused (a put's always closes).
+            self.findings.answered(target, f"closed ({type(error).__name__})")
+            return
+        self.findings.answered(target, str(response.status_code))
+        problem = self._problem(case, response)
+        if problem is not None:
+            kind, detail = problem
+            self.findings.record(kind, target, f"{detail}\n{response.text[:2000]}", replay)
+
+    def _problem(self, case: HttpCase, response: httpx.Response) -> tuple[str, str] | None:
+        status = response.status_code
+        if status >= 500:
+            return "http_5xx", f"HTTP {status}"
+        unauthenticated = case.tcp and case.credential != "right"
+        if unauthenticated and response.is_success and case.path.split("?")[0] != "/healthz":
+            return "auth_bypasses", f"HTTP {status} without the token"
+        if case.method == "HEAD":
+            return None
+        kind = response.headers.get("Content-Type", "").split(";")[0]
+        if status >= 400:
+            if kind == "text/plain" and status in (400, 413, 414, 431):
+                return None  # aiohttp's own parser refused it, before any route
+            return _error_body_problem(response.content)
+        if kind == FRAMES_CONTENT_TYPE:
+            return _frames_problem(response.content)
+        if kind == "application/json":
+            answer = json.loads(response.content)
+            if isinstance(answer, dict) and isinstance(answer.get("lease"), str):
+                self.daemon.leases.append(answer["lease"])
+        return None
+
+    def send_raw(self, target: str, access: tuple[bool, str], request: bytes) -> None:
+        tcp, credential = access
+        reply, answered = self._exchange(tcp, request)
+        if not answered:
+            self.findings.answered(target, "hang")
+            self.findings.record("hangs", target, f"no answer within {HANG_S:g} s", request)
+            return
+        match = re.match(rb"HTTP/1\.[01] (\d{3})", reply)
+        if match is None:
+            self.findings.answered(target, "closed")
+            return
+        status = int(match.group(1))
+        self.findings.answered(target, str(status))
+        if status >= 500:
+            self.findings.record("http_5xx", target, reply[:2000].decode("latin-1"), request)
+        elif tcp and credential != "right" and 200 <= status < 300 and b'{"ok": true}' not in reply:
+            self.findings.record("auth_bypasses", target, reply[:2000].decode("latin-1"), request)
+
+    def _exchange(self, tcp: bool, request: bytes) -> tuple[bytes, bool]:
+        """Write ``request`` on a fresh connection; what came back, and whether the
+        daemon answered or closed within ``HANG_S``. A request unanswered after
+        ``_QUIET_S`` (a body shorter than its framing says, say) is half-closed, so
+        that the daemon sees nothing more is coming; an answer is read until the
+        daemon closes or pauses for ``_QUIET_S``."""
+        family = socket.AF_INET if tcp else socket.AF_UNIX
+        address: Any = (
+            ("127.0.0.1", int(self.daemon.spec.daemon["tcp_port"]))
+            if tcp
+            else str(self.daemon.spec.socket_path)
+        )
+        until = time.monotonic() + HANG_S
+        reply, half_closed = b"", False
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(HANG_S)
+            sock.connect(address)
+            with contextlib.suppress(OSError):  # refused, and closed before reading it all
+                sock.sendall(request)
+            while (left := until - time.monotonic()) > 0:
+                sock.settimeout(min(left, _QUIET_S) if reply or not half_closed else left)
+                try:
+                    chunk = sock.recv(65536)
+                except TimeoutError:
+                    if reply:
+                        return reply, True  # answered; the connection is kept open
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_WR)
+                    half_closed = True
+                    continue
+                except OSError:
+                    return reply, True  # reset: closed
+                if not chunk:
+                    return reply, True
+                reply += chunk
+        return reply, bool(reply)
+
+
+def _error_body_problem(content: bytes) -> tuple[str, str] | None:
+    """Unless ``content`` is the JSON error of docs/http_api.md, what is wrong with it."""
+    try:
+        body = json.loads(content)
+        code, message = body["error"]["code"], body["error"]["message"]
+        ErrorCode(code)
+    except (ValueError, KeyError, TypeError):
+        return "malformed_responses", "an error answer that is not {error: {code, message}}"
+    if set(body) != {"error"} or not isinstance(message, str):
+        return "malformed_responses", "an error answer with other fields"
+    return None
+
+
+def _frames_problem(content: bytes) -> tuple[str, str] | None:
+    """Unless ``content`` is a frames body that decodes, what is wrong with it."""
+    decoder = FrameDecoder()
+    try:
+        decoder.feed(content)
+        decoder.finish()
+    except KVStoreError as error:
+        return "malformed_responses", f"a frames answer that does not decode: {error}"
+    return None
+
+
+def _as_http(method: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
+    """The request as raw HTTP/1.1 bytes, to replay with ``nc -U``."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: kvstore", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogatepass") + body
+
+
+# -- in-process targets ------------------------------------------------------------------
+
+
+class _Overran(BaseException):
+    """Raised by the alarm in a decoder call past ``CALL_S`` (a BaseException, so no
+    ``except Exception`` in the code under test swallows it)."""
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float) -> Iterator[None]:
+    """Interrupt the block with ``_Overran`` after ``seconds`` (main thread only: the
+    alarm is a signal; elsewhere the caller's clock judges)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def overran(signum: int, frame: Any) -> None:
+        raise _Overran
+
+    previous = signal.signal(signal.SIGALRM, overran)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _call_checked(
+    findings: Findings, target: str, what: str, data: bytes, call: Callable[[], object]
+) -> None:
+    """Run ``call``: kvstore's own errors are answers; anything else, or a call past
+    ``CALL_S``, is recorded."""
+    start = time.monotonic()
+    try:
+        with _bounded(CALL_S):
+            call()
+    except KVStoreError:
+        pass
+    except _Overran:
+        findings.record("hangs", target, f"{what}: still running after {CALL_S:g} s", data)
+        return
+    except Exception as error:
+        detail = f"{what}: {type(error).__name__}: {error}\n{traceback.format_exc()}"
+        findings.record("unexpected_exceptions", target, detail, data)
+        return
+    if time.monotonic() - start > CALL_S:
+        findings.record("hangs", target, f"{what}: took {time.monotonic() - start:.1f} s", data)
+
+
+@dataclass(frozen=True)
+class FrameCase:
+    """A frames body to decode, the step it is fed in, the decoder's mode and limits."""
+
+    data: bytes
+    step: int
+    mode: str  # "copying", "fresh" (one-copy into new buffers), "caller" (into ours)
+    limits: FrameLimits
+
+
+def _decode_frames(case: FrameCase) -> None:
+    into: Callable[[int, bytes, int], memoryview | None] | None = None
+    if case.mode == "fresh":
+        into = lambda index, header, size: None  # noqa: E731
+    elif case.mode == "caller":
+        into = lambda index, header, size: memoryview(bytearray(size)) if size < 1 << 20 else None  # noqa: E731
+    decoder = FrameDecoder(case.limits, into=into)
+    view = memoryview(case.data)
+    for start in range(0, len(view), case.step):
+        decoder.feed(view[start : start + case.step])
+    decoder.finish()
+
+
+def _parse_put_head(case: FrameCase) -> None:
+    """What the put route reads of a body before its blocks (``put._receive``)."""
+    length = meta_length(case.data[: META_LENGTH.size].ljust(META_LENGTH.size, b"\0"), case.limits)
+    parse_meta(case.data[META_LENGTH.size : META_LENGTH.size + length], case.limits)
+
+
+def _block_calls(
+    data: bytes, namespace: Namespace, key: ChunkKey
+) -> list[tuple[str, Callable[[], object]]]:
+    """Every decoder of a block, on ``data``: each must refuse bad bytes with kvstore's errors."""
+    view = memoryview(data)
+    head, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
+
+    def identity() -> None:
+        header = parse_header(view)
+        check_block_identity(header, namespace, key, whole_chunk=True)
+        decode_payload(stored_block(view).payload, header.dtype, header.codec, header.raw_len)
+
+    return [
+        ("parse_header", lambda: parse_header(view)),
+        ("verify_block", lambda: verify_block(view)),
+        ("verify_block(check_payload=False)", lambda: verify_block(view, check_payload=False)),
+        ("verify_parts", lambda: verify_parts(bytes(head), payload)),
+        ("stored_block", lambda: stored_block(view)),
+        ("copy_payload", lambda: copy_payload(head, payload, bytearray(payload.nbytes))),
+        ("seal_block", lambda: seal_block(memoryview(bytearray(data)))),
+        ("fill_verified", lambda: fill_verified(head, bytearray(payload.nbytes), _reader(payload))),
+        ("fill_sealed", lambda: fill_sealed(head, bytearray(payload.nbytes), _reader(payload))),
+        ("check_identity + decode_payload", identity),
+    ]
+
+
+def _reader(payload: memoryview) -> Callable[[memoryview], None]:
+    """A ``fill`` (``block.fill_verified``) that reads ``payload`` in order, as a socket would."""
+    taken = 0
+
+    def fill(step: memoryview) -> None:
+        nonlocal taken
+        step[:] = payload[taken : taken + step.nbytes]
+        taken += step.nbytes
+
+    return fill
+
+
+def _in_process_targets(findings: Findings) -> list[Target]:
+    """The frames decoder and the block decoders, fed mutations of the fuzz chain's
+    put bodies, a get answer and blocks of every codec."""
+    namespace, keys, payloads = _fuzz_chain()
+    blocks = [_block_seed(namespace, keys, payloads[0], codec) for codec in Codec]
+    puts = [
+        _put_seed(*_put_parts(namespace, keys, payloads, seal)) for seal in ("header", "trailer")
+    ]
+    answer = {
+        "blocks": [
+            {"key": keys[0].hex(), "length": len(blocks[0].data), "tier": "dram"},
+            {"key": keys[1].hex(), "length": None, "tier": None},
+        ]
+    }
+    frame_seeds = [*puts, fi.Seed(frames(answer, blocks[0].data), ((0, 4),))]
+    limits = st.sampled_from(
+        (FrameLimits(), FrameLimits(max_meta_bytes=64, max_blocks=2, max_block_bytes=200))
+    )
+    frame_cases = st.builds(
+        FrameCase,
+        st.one_of(fi.mutated(frame_seeds), fi.mutated(frame_seeds), fi.garbage()),
+        st.sampled_from((1, 3, 4, 127, 128, 129, 4096, 1 << 20)),
+        st.sampled_from(("copying", "fresh", "caller")),
+        limits,
+    )
+
+    def check_frames(case: FrameCase) -> None:
+        _call_checked(
+            findings,
+            "frame_decoder",
+            f"FrameDecoder({case.mode}, step {case.step})",
+            case.data,
+            lambda: _decode_frames(case),
+        )
+        _call_checked(
+            findings,
+            "frame_decoder",
+            "meta_length + parse_meta",
+            case.data,
+            lambda: _parse_put_head(case),
+        )
+
+    def check_block(data: bytes) -> None:
+        for what, call in _block_calls(data, namespace, keys[1]):
+            _call_checked(findings, "block_header", what, data, call)
+
+    block_inputs = st.one_of(
+        fi.mutated(blocks), fi.mutated(blocks), fi.mutated(blocks), fi.garbage()
+    )
+    return [
+        Target("frame_decoder", frame_cases, check_frames, over_http=False),
+        Target("block_header", block_inputs, check_block, over_http=False),
+    ]
