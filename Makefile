@@ -59,7 +59,7 @@ bench:
 	$(BIN)/python bench/tiers.py --json > bench/out/tiers.json
 
 # The reliability campaign's long form: 200 kill -9 cycles, every Redis fault for 200
-# windows, fuzzing, resource faults, a 30-minute soak (SOAK_SCALE=short: ~5 minutes).
+# windows, fuzzing, resource faults, a 15-minute soak (SOAK_SCALE=short: ~4 minutes).
 SOAK_SCALE ?= long
 soak:
 	mkdir -p bench/out

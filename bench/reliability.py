@@ -2,7 +2,8 @@
 """The reliability campaign: every fault scenario in ``bench/faults/`` against a real
 daemon, with the figures that must be zero checked.
 
-    python bench/reliability.py [--scale short|long] [--only kill_loop,soak] [--json]
+    python bench/reliability.py [--scale short|long] [--only kill_loop,soak]
+                                [--cycles N] [--requests N] [--seconds S] [--json]
     make soak        # the long form (kill loop of 200 cycles, 30-minute soak, ...)
 
 Each scenario runs in a temp dir of its own and reports figures (counts, times,
@@ -14,6 +15,7 @@ one object goes to stdout. The exit code is 1 when any must-be-zero figure is no
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -46,12 +48,19 @@ def main() -> int:
     parser.add_argument(
         "--only", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}"
     )
+    parser.add_argument("--cycles", type=int, help="fault cycles per scenario (the scale's)")
+    parser.add_argument("--requests", type=int, help="requests or cases per cycle")
+    parser.add_argument("--seconds", type=float, help="wall clock per scenario (soak: its length)")
     args = parser.parse_args()
     names = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:
         parser.error(f"unknown scenario(s): {unknown}")
     scale = LONG if args.scale == "long" else SHORT
+    sized = {"cycles": args.cycles, "requests": args.requests, "seconds": args.seconds}
+    scale = dataclasses.replace(
+        scale, **{name: value for name, value in sized.items() if value is not None}
+    )
     reports: dict[str, Report] = {}
     elapsed: dict[str, float] = {}
     with bench_session() as stack:
