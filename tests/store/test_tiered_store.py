@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -639,3 +642,32 @@ def test_close_writes_what_only_memory_holds_so_a_reopened_store_has_it(tmp_path
         store.put(ns, kv.tokens(2, start=900), kv.chunks(2))
     with TieredStore(unflushed) as reopened:
         assert reopened.lookup(ns, kv.tokens(2, start=900)).num_chunks == 0
+
+
+def test_the_readmes_embedded_store_starts_on_a_fresh_machine(tmp_path: Path) -> None:
+    """``TieredStore()`` with a home that has no cache directory yet, in a process of its
+    own (the default DRAM tier is 2 GiB of /dev/shm: sized down if there is less)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    script = (
+        "from kvstore import TieredStore, Namespace, KVLayout\n"
+        "import torch, numpy as np\n"
+        "layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype='float16',"
+        " chunk_tokens=16)\n"
+        "ns = Namespace('fresh', layout)\n"
+        "with TieredStore() as store:\n"
+        "    store.put(ns, np.arange(16), [torch.ones(layout.chunk_shape, dtype=torch.float16)])\n"
+        "with TieredStore() as store:\n"
+        "    print(store.lookup(ns, np.arange(16)).tiers)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "XDG_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SSD" in done.stdout  # written down at close, found again at the next open
+    assert (home / ".cache" / "kvstore" / "lmdb" / "data.mdb").exists()
