@@ -119,7 +119,10 @@ def test_a_dram_hit_does_not_wait_on_a_hung_redis(redis_server_factory) -> None:
         assert sorted(cold_calls)[len(cold_calls) // 2] < 0.05, "the rest are answered at once"
         p99_normal = float(np.percentile(normal, 99))
         p99_during = float(np.percentile(during, 99))
-        assert p99_during <= max(2 * p99_normal, p99_normal + 0.005), (p99_normal, p99_during)
+        # Twice normal, or well under one socket timeout (0.5 s) on a noisy machine: a DRAM
+        # hit that waited on Redis would take that long. ``redis_faults`` reports the ratio.
+        assert p99_during <= max(2 * p99_normal, 0.1), (p99_normal, p99_during)
+        assert max(during) < 0.25
         kv.wait_until_up(store, REDIS)
         assert store.lookup(ns, cold[0]).tiers == (REDIS, REDIS)
 
