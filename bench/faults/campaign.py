@@ -24,7 +24,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from common import ServerProcess
+
+from kvstore import KVLayout
+
+# The chains the kill loop and the soak write: chain ``n`` is its own tokens and its
+# own seeded random K/V, so whoever reads it back can say what it must hold.
+CHAIN_LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", chunk_tokens=16)
+CHAIN_CHUNKS = 4
+
+
+def chain_tokens(chain: int) -> np.ndarray:
+    start = chain * CHAIN_CHUNKS * CHAIN_LAYOUT.chunk_tokens
+    return np.arange(start, start + CHAIN_CHUNKS * CHAIN_LAYOUT.chunk_tokens, dtype=np.int64)
+
+
+def chain_chunks(chain: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(chain)
+    return [
+        torch.randn(CHAIN_LAYOUT.chunk_shape, generator=generator).to(torch.float16)
+        for _ in range(CHAIN_CHUNKS)
+    ]
+
+
+def same_bytes(chunk: Any, tensor: torch.Tensor) -> bool:
+    """Whether a chunk read back holds exactly ``tensor``'s bytes."""
+    return bytes(chunk.payload) == tensor.view(torch.uint8).numpy().tobytes()
 
 
 @dataclass(frozen=True)

@@ -30,18 +30,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from faults.campaign import DaemonSpec, Report, Scale
-from kvstore import KVLayout, Namespace, connect
+from faults.campaign import (
+    CHAIN_CHUNKS,
+    CHAIN_LAYOUT,
+    DaemonSpec,
+    Report,
+    Scale,
+    chain_chunks,
+    chain_tokens,
+    same_bytes,
+)
+from kvstore import Namespace, connect
 from kvstore.keys import chunk_keys
 from kvstore.processes import spawn
 
 NAME = "kill_loop"
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", chunk_tokens=16)
-NAMESPACE = Namespace("kill-loop", LAYOUT)
-CHAIN_CHUNKS = 4
+NAMESPACE = Namespace("kill-loop", CHAIN_LAYOUT)
 _SEGMENT = re.compile(r"^kvstore-(\d+)-[0-9a-f]+$")
 
 
@@ -138,8 +144,8 @@ def _writing(spec: DaemonSpec, written: _Written) -> Iterator[None]:
             while not stop.is_set():
                 chain_id = written.next_id
                 written.next_id += 1
-                chunks = _chunks(chain_id)
-                if store.put(NAMESPACE, _tokens(chain_id), chunks) == CHAIN_CHUNKS:
+                chunks = chain_chunks(chain_id)
+                if store.put(NAMESPACE, chain_tokens(chain_id), chunks) == CHAIN_CHUNKS:
                     written.chains[chain_id] = chunks
 
     thread = threading.Thread(target=writer, name="kill-loop-writer")
@@ -158,13 +164,13 @@ def _verify(spec: DaemonSpec, written: _Written) -> tuple[int, int, int, set[int
     whole: set[int] = set()
     with connect(spec.url, timeout_s=10.0) as store:
         for chain_id, chunks in list(written.chains.items()):
-            keys = chunk_keys(NAMESPACE, _tokens(chain_id))
+            keys = chunk_keys(NAMESPACE, chain_tokens(chain_id))
             got = store.get(NAMESPACE, keys)
             right = 0
             for chunk, expected in zip(got, chunks, strict=True):
                 if chunk is None:
                     lost += chain_id in written.durable
-                elif bytes(chunk.payload) != expected.view(torch.uint8).numpy().tobytes():
+                elif not same_bytes(chunk, expected):
                     wrong += 1
                 else:
                     right += 1
@@ -172,19 +178,6 @@ def _verify(spec: DaemonSpec, written: _Written) -> tuple[int, int, int, set[int
             if right == len(chunks):
                 whole.add(chain_id)
     return wrong, lost, verified, whole
-
-
-def _tokens(chain_id: int) -> np.ndarray:
-    start = chain_id * CHAIN_CHUNKS * LAYOUT.chunk_tokens
-    return np.arange(start, start + CHAIN_CHUNKS * LAYOUT.chunk_tokens, dtype=np.int64)
-
-
-def _chunks(chain_id: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(chain_id)
-    return [
-        torch.randn(LAYOUT.chunk_shape, generator=generator).to(torch.float16)
-        for _ in range(CHAIN_CHUNKS)
-    ]
 
 
 def _stale_segments(pids: set[int]) -> int:

@@ -31,17 +31,26 @@ from typing import Any
 
 import lmdb
 import numpy as np
-import torch
 
-from faults.campaign import DaemonSpec, Report, Scale, open_fds, rss_bytes, tcp_settings
-from kvstore import KVLayout, Namespace, connect
+from faults.campaign import (
+    CHAIN_CHUNKS,
+    CHAIN_LAYOUT,
+    DaemonSpec,
+    Report,
+    Scale,
+    chain_chunks,
+    chain_tokens,
+    open_fds,
+    rss_bytes,
+    same_bytes,
+    tcp_settings,
+)
+from kvstore import Namespace, connect
 from kvstore.keys import chunk_keys
 from kvstore.tiers.local_redis import RedisServer
 
 NAME = "soak"
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", chunk_tokens=16)
-NAMESPACE = Namespace("soak", LAYOUT)
-CHAIN_CHUNKS = 4
+NAMESPACE = Namespace("soak", CHAIN_LAYOUT)
 CHAINS = 600  # distinct chains the load draws from (~75 MiB: DRAM, LMDB and Redis all used)
 FAULT_EVERY_S = 10.0
 PAUSE_S = 2.0
@@ -103,11 +112,11 @@ def _client(
     with connect(url, timeout_s=2.0, backoff_s=0.1, **options) as store:
         while not stop.is_set():
             chain = rng.randrange(CHAINS)
-            tokens = _tokens(chain)
+            tokens = chain_tokens(chain)
             started = time.perf_counter()
             try:
                 if rng.random() < 0.3:
-                    if store.put(NAMESPACE, tokens, _chunks(chain)) == CHAIN_CHUNKS:
+                    if store.put(NAMESPACE, tokens, chain_chunks(chain)) == CHAIN_CHUNKS:
                         with load.lock:
                             load.written.add(chain)
                 else:
@@ -126,11 +135,11 @@ def _client(
 
 def _wrong(got: list[Any], chain: int) -> int:
     """Chunks read back that differ from what chain ``chain`` holds (misses are fine)."""
-    expected = _chunks(chain)
+    expected = chain_chunks(chain)
     return sum(
         1
         for chunk, tensor in zip(got, expected, strict=True)
-        if chunk is not None and bytes(chunk.payload) != tensor.view(torch.uint8).numpy().tobytes()
+        if chunk is not None and not same_bytes(chunk, tensor)
     )
 
 
@@ -231,16 +240,3 @@ def _stale_readers(path: Path) -> int:
         except PermissionError:
             pass
     return stale
-
-
-def _tokens(chain: int) -> np.ndarray:
-    start = chain * CHAIN_CHUNKS * LAYOUT.chunk_tokens
-    return np.arange(start, start + CHAIN_CHUNKS * LAYOUT.chunk_tokens, dtype=np.int64)
-
-
-def _chunks(chain: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(chain)
-    return [
-        torch.randn(LAYOUT.chunk_shape, generator=generator).to(torch.float16)
-        for _ in range(CHAIN_CHUNKS)
-    ]
