@@ -181,6 +181,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             log.exception("store error serving %s %s", request.method, request.path)
             return error_response(code, "internal error; see the daemon's log")
         return _refusal(request, code, str(exc))
+    except web.RequestPayloadError as exc:  # a body aiohttp could not decode (gzip, ...)
+        return _refusal(request, ErrorCode.MALFORMED_BODY, f"body could not be read: {exc}")
     except ConnectionError:
         raise  # the client hung up mid-response: nobody to answer
     except Exception:

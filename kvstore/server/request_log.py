@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("kvstore.server.requests")
 
@@ -38,6 +39,11 @@ class _AiohttpLog(logging.LoggerAdapter[logging.Logger]):
         if isinstance(exc_info, HttpProcessingError) and exc_info.code < 500:
             sender = f"a request from {args[0]}" if args else "a request"
             refused(sender, exc_info.code, exc_info.message or type(exc_info).__name__)
+            return
+        # aiohttp: exception("Unhandled exception", exc_info=error), reading what is left
+        # of a body it cannot decode (a Content-Encoding that lies) after its answer.
+        if isinstance(exc_info, RequestPayloadError):
+            refused("the rest of a body", 400, str(exc_info))
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 

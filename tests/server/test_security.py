@@ -309,6 +309,30 @@ def test_refused_requests_log_no_traceback(daemon_factory: Callable[..., Daemon]
     assert len(logged.splitlines()) <= len(requests), logged
 
 
+@pytest.mark.parametrize("route", ["/v1/namespaces", "/v1/lookup", "/v1/events", "/v1/put"])
+def test_a_body_whose_content_encoding_lies_is_a_400_and_no_traceback(
+    daemon_factory: Callable[..., Daemon], route: str
+) -> None:
+    """``Content-Encoding: gzip`` on a body that is not gzip: aiohttp cannot decode it,
+    which must be the client's 400, not a 500 with a traceback (found by the fuzzer)."""
+    instance = daemon_factory()
+    body = b'{"namespace": "00"}'
+    request = _http(
+        f"POST {route} HTTP/1.1".encode(),
+        b"Content-Encoding: gzip",
+        b"Content-Type: application/json",
+        b"Content-Length: %d" % len(body),
+        body=body,
+    )
+    logged_before = instance.log_path.stat().st_size
+    status, answer = _raw_request(instance.socket_path, request)
+    assert 400 <= status < 500, answer
+    with instance.client() as client:
+        assert client.get("/healthz").status_code == 200
+    logged = instance.log_path.read_bytes()[logged_before:].decode(errors="replace")
+    assert "Traceback" not in logged, logged
+
+
 def _http(line: bytes, *headers: bytes, body: bytes = b"") -> bytes:
     """A request over a connection that closes after its answer."""
     head = [line, b"Host: kvstore", b"Connection: close", *headers]
