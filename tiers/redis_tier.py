@@ -207,6 +207,28 @@ _REFUSED: tuple[type[BaseException], ...] = (
 )
 
 
+# A connection that timed out or broke: after a hang or a half-open link every pooled
+# socket to that server is suspect, and each would cost a timeout (its breaker's probe
+# included) before redis-py dropped it, so all of them are dropped at once.
+_LINK_LOST: tuple[type[BaseException], ...] = (
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ConnectionError,
+)
+
+
+def _drop_connections(client: redis.Redis) -> None:
+    """Close every pooled connection of ``client``; the next call opens a fresh one."""
+    client.connection_pool.disconnect()
+
+
+def _drop_node_connections(client: redis.cluster.RedisCluster, node: str) -> None:
+    """``_drop_connections`` for one master of a cluster (``host:port``)."""
+    host, _, port = node.rpartition(":")
+    found = client.get_node(host=host, port=int(port))
+    if found is not None and found.redis_connection is not None:
+        _drop_connections(found.redis_connection)
+
+
 def _is_node_down(result: object) -> bool:
     return isinstance(result, _NODE_DOWN) and not isinstance(result, _REFUSED)
 
@@ -374,6 +396,9 @@ class RedisTier:
                 for command in commands:
                     pipe.execute_command(*command)
                 return list(pipe.execute(raise_on_error=False))
+            except _LINK_LOST:
+                _drop_connections(client)
+                raise
             finally:
                 pipe.reset()
 
@@ -409,6 +434,8 @@ class RedisTier:
                 if isinstance(error, _REFUSED):
                     raise
                 answers = [error] * len(positions)
+            if any(isinstance(answer, _LINK_LOST) for answer in answers):
+                _drop_node_connections(client, node)
             for i, answer in zip(positions, answers, strict=True):
                 if isinstance(answer, _REFUSED):
                     raise answer

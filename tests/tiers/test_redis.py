@@ -432,3 +432,53 @@ def test_cluster_follows_ask_and_moved_during_resharding(
     assert [bytes(v) for v in tier.get_many(NS.digest, keys) if v is not None] == expected
     assert tier.contains_many(NS.digest, keys) == [True] * 12
     assert tier.delete_many(NS.digest, keys) == 12
+
+
+def test_after_a_half_open_link_the_next_call_opens_a_fresh_connection(
+    clean_redis: RedisServer, make_tier: MakeTier
+) -> None:
+    """Every pooled socket that a half-open link black-holed is dropped at the first
+    timeout, so once the network is back each call is answered at once, rather than one
+    timeout per dead socket still in the pool (a real redis-server behind the project's
+    fault proxy)."""
+    from faults.proxy import Fault, FaultProxy
+
+    with FaultProxy(clean_redis.port) as proxy:
+        tier = make_tier(
+            f"redis://127.0.0.1:{proxy.port}", socket_timeout_s=0.5, connect_timeout_s=0.5
+        )
+        items = make_blocks(NS, 4, seed=9)
+        tier.put_many(NS.digest, items)
+        keys = [key for key, _ in items]
+        expected = [block.to_bytes() for _, block in items]
+
+        def read_at_once(readers: int) -> list[tuple[bool, float]]:
+            """``readers`` gets at the same moment (each on a pooled socket of its own):
+            whether each was right, and how long it took."""
+            gate = threading.Barrier(readers)
+            done: list[tuple[bool, float]] = []
+
+            def read() -> None:
+                gate.wait()
+                started = time.monotonic()
+                try:
+                    right = tier.get_many(NS.digest, keys) == expected
+                except TierUnavailable:
+                    right = False
+                done.append((right, time.monotonic() - started))
+
+            threads = [threading.Thread(target=read) for _ in range(readers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            return done
+
+        assert all(right for right, _ in read_at_once(4))  # four sockets in the pool
+        proxy.set(Fault.HALF_OPEN)  # every one of them is now a dead link
+        with pytest.raises(TierUnavailable):
+            tier.get_many(NS.digest, keys)
+        proxy.clear()
+        after = read_at_once(4)
+        assert all(right for right, _ in after), after
+        assert max(took for _, took in after) < 0.3, after
