@@ -148,7 +148,9 @@ def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
                 findings.record("daemon_crashes", target.name, daemon.log_tail(), b"")
                 daemon.restart()
         canary_changed = sum(_canary_changes(daemon, canary) for canary in canaries)
-        daemon_tracebacks = daemon.log_text().count("Traceback")
+        log_text = daemon.log_text()
+        daemon_tracebacks = log_text.count("Traceback")
+        first_traceback = _first_traceback(log_text)
     elapsed = time.monotonic() - started
     figures: dict[str, Any] = {
         "seed": seed,
@@ -160,6 +162,7 @@ def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
         **{kind: findings.counts[kind] for kind in MUST_BE_ZERO},
         "canary_changed": canary_changed,
         "daemon_tracebacks": daemon_tracebacks,
+        "first_traceback": first_traceback,
         "statuses": dict(sorted(findings.statuses.items())),
         "elapsed_s": round(elapsed, 2),
         "failures_dir": str(findings.directory),
@@ -1012,3 +1015,13 @@ def _open_path(request: bytes) -> bool:
     """Whether a raw request asks for ``/healthz`` (GET or HEAD), which needs no token."""
     match = re.match(rb"[A-Za-z]+ (\S+)", request)
     return match is not None and match.group(1).split(b"?")[0] == b"/healthz"
+
+
+def _first_traceback(log_text: str, limit: int = 4000) -> str:
+    """The daemon's first logged traceback with the line before it (what it was doing),
+    or ``""``: the daemon's directory goes with the scenario's, so the report keeps it."""
+    at = log_text.find("Traceback")
+    if at < 0:
+        return ""
+    start = log_text.rfind("\n", 0, max(0, at - 1)) + 1
+    return log_text[start : start + limit]

@@ -45,6 +45,11 @@ class _AiohttpLog(logging.LoggerAdapter[logging.Logger]):
         if isinstance(exc_info, RequestPayloadError):
             refused("the rest of a body", 400, str(exc_info))
             return
+        # A client that hung up mid-request: nobody to answer, nothing to fix here.
+        if isinstance(exc_info, ConnectionResetError):
+            sender = f"a request from {args[0]}" if args else "a request"
+            refused(sender, 499, "the client hung up before its request was read")
+            return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 

@@ -8,8 +8,10 @@ import dataclasses
 import json
 import re
 import socket
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -504,3 +506,25 @@ def test_clients_of_more_namespaces_than_the_table_holds_never_see_an_error(
         assert store.client_stats() == ClientStats()  # nothing degraded, nothing raised
     with instance.client() as client:
         assert client.get("/v1/stats").json()["store"]["namespaces_forgotten"] >= 10
+
+
+def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Headers promising 1,000 bytes, ten sent, then the connection reset (found by the
+    fuzzer): the daemon has nobody to answer and nothing to log but a refusal line."""
+    instance = daemon_factory()
+    logged_before = instance.log_path.stat().st_size
+    for route in (b"/v1/delete", b"/v1/lookup"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(instance.socket_path))
+            sock.sendall(
+                _http(b"POST " + route + b" HTTP/1.1", b"Content-Length: 1000", body=b'{"namespa')
+            )
+            time.sleep(0.2)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    time.sleep(0.5)
+    with instance.client() as client:
+        assert client.get("/healthz").status_code == 200
+    logged = instance.log_path.read_bytes()[logged_before:].decode(errors="replace")
+    assert "Traceback" not in logged, logged
