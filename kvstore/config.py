@@ -17,8 +17,10 @@ dataclass that lives with the part (as uvicorn keeps ``Config`` apart from
     codec = "zstd-byteplane:1"
 
     [tiers.redis]
-    url = "redis://127.0.0.1:6380/0"      # or nodes = ["127.0.0.1:7000", ...], cluster = true
+    url = "rediss://kv@127.0.0.1:6380/0"  # or nodes = ["127.0.0.1:7000", ...], cluster = true
     capacity = "16GiB"
+    password = "..."                      # better KVSTORE_REDIS_PASSWORD; username, an ACL user
+    tls_ca_file = "/etc/kvstore/ca.pem"   # rediss:// or tls = true; tls_cert_file, tls_key_file
 
     [costs]                               CostModel        kvstore.store.config
     recompute_tokens_per_s = 17500
