@@ -221,12 +221,18 @@ def _drop_connections(client: redis.Redis) -> None:
     client.connection_pool.disconnect()
 
 
-def _drop_node_connections(client: redis.cluster.RedisCluster, node: str) -> None:
-    """``_drop_connections`` for one master of a cluster (``host:port``)."""
+def _node_client(client: redis.cluster.RedisCluster, node: str) -> redis.Redis | None:
+    """The client of master ``node`` (``host:port``), if the slot map knows it."""
     host, _, port = node.rpartition(":")
     found = client.get_node(host=host, port=int(port))
-    if found is not None and found.redis_connection is not None:
-        _drop_connections(found.redis_connection)
+    return None if found is None else found.redis_connection
+
+
+def _drop_node_connections(client: redis.cluster.RedisCluster, node: str) -> None:
+    """``_drop_connections`` for one master of a cluster (``host:port``)."""
+    master = _node_client(client, node)
+    if master is not None:
+        _drop_connections(master)
 
 
 def _is_node_down(result: object) -> bool:
@@ -235,11 +241,10 @@ def _is_node_down(result: object) -> bool:
 
 def _ping(client: redis.cluster.RedisCluster, node: str) -> None:
     """PING master ``node`` (``host:port``); raises as the master fails."""
-    host, _, port = node.rpartition(":")
-    found = client.get_node(host=host, port=int(port))
-    if found is None or found.redis_connection is None:
+    master = _node_client(client, node)
+    if master is None:
         raise redis.exceptions.ConnectionError(f"{node} is not in the slot map")
-    found.redis_connection.ping()
+    master.ping()
 
 
 @dataclass(frozen=True, slots=True)

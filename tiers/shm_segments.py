@@ -99,6 +99,13 @@ def hold(name: str, nbytes: int, directory: Path = SHM_DIR) -> int | None:
     return fd
 
 
+def creator_pid(name: str) -> int | None:
+    """The pid a ``kvstore-<pid>-<hex>`` segment name says created it (``None``: not
+    one of ours)."""
+    match = _OWNED.match(name)
+    return int(match.group(1)) if match else None
+
+
 def reap_stale(directory: Path = SHM_DIR) -> list[str]:
     """Unlink the segments of dead kvstore processes; their names."""
     try:
@@ -107,8 +114,8 @@ def reap_stale(directory: Path = SHM_DIR) -> list[str]:
         return []
     reaped = []
     for name in names:
-        match = _OWNED.match(name)
-        if match is None or _alive(int(match.group(1))):
+        pid = creator_pid(name)
+        if pid is None or _alive(pid):
             continue
         if _unlink_if_unheld(directory / name):
             reaped.append(name)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import re
 import signal
 import statistics
 import threading
@@ -45,10 +44,10 @@ from faults.campaign import (
 from kvstore import Namespace, connect
 from kvstore.keys import chunk_keys
 from kvstore.processes import spawn
+from kvstore.tiers import shm_segments
 
 NAME = "kill_loop"
 NAMESPACE = Namespace("kill-loop", CHAIN_LAYOUT)
-_SEGMENT = re.compile(r"^kvstore-(\d+)-[0-9a-f]+$")
 
 
 @dataclass
@@ -183,11 +182,7 @@ def _verify(spec: DaemonSpec, written: _Written) -> tuple[int, int, int, set[int
 def _stale_segments(pids: set[int]) -> int:
     """Segments in /dev/shm that daemons of this run left and nobody removed."""
     try:
-        names = os.listdir("/dev/shm")
+        names = os.listdir(shm_segments.SHM_DIR)
     except OSError:
         return 0
-    return sum(
-        1
-        for name in names
-        if (match := _SEGMENT.match(name)) is not None and int(match.group(1)) in pids
-    )
+    return sum(1 for name in names if shm_segments.creator_pid(name) in pids)
