@@ -18,7 +18,9 @@ dataclass that lives with the part (as uvicorn keeps ``Config`` apart from
 
     [tiers.redis]
     url = "rediss://kv@127.0.0.1:6380/0"  # or nodes = ["127.0.0.1:7000", ...], cluster = true
-    capacity = "16GiB"
+    write = "through"                     # every put copied here (other hosts see it) and
+                                          # sized by the servers' maxmemory; "back": only
+    capacity = "16GiB"                    # what local tiers push out, within capacity
     password = "..."                      # better KVSTORE_REDIS_PASSWORD; username, an ACL user
     tls_ca_file = "/etc/kvstore/ca.pem"   # rediss:// or tls = true; tls_cert_file, tls_key_file
 

@@ -47,6 +47,28 @@ class StoredBlockInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerMemory:
+    """What the servers behind a shared tier say of their memory, summed over the masters
+    that answered (``answered`` of ``masters``). ``max_bytes`` 0: some master has no
+    ``maxmemory``; ``policies``: the ``maxmemory-policy`` of each master that answered."""
+
+    used_bytes: int
+    max_bytes: int
+    policies: frozenset[str]
+    masters: int
+    answered: int
+
+
+@runtime_checkable
+class ServerOwnedTier(Protocol):
+    """A shared tier whose servers own its capacity: they evict, the store does not."""
+
+    def server_memory(self) -> ServerMemory:
+        """Ask every master (one round trip each); raises ``TierError`` if none answers."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
 class BlockDestination:
     """Where ``get_many_into`` copies one block: its header into ``header``
     (``HEADER_BYTES`` uint8) and its payload straight into ``payload``, a uint8

@@ -65,9 +65,13 @@ Accounting. ``used_bytes`` is this process's view: bytes this instance wrote,
 minus what it deleted or found gone, plus every block a ``scan`` found (a
 scan is how a restarted process learns what Redis holds). Other processes sharing the Redis are not
 seen, and the server may evict or expire keys behind our back (a miss on an
-accounted key drops it). The real backstop is the server's own limit: run a
-cache Redis with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (or
-``allkeys-lfu``), so it evicts instead of refusing writes.
+accounted key drops it). That view is what a write-back tier (one host's
+overflow) is kept within. A write-through tier, shared by several hosts, is the
+servers' to size: the store never evicts there, and ``server_memory`` (``INFO
+memory`` of every master) is what its stats report. Either way, run a cache
+Redis with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (or
+``allkeys-lfu``), so it evicts instead of refusing writes; the store warns at
+start when a write-through tier's servers do not.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ from kvstore.block import HEADER_BYTES, Block
 from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
-from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
+from kvstore.tiers.base import BlockDestination, Buffer, ServerMemory, StoredBlockInfo, scatter
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.redis_access import RedisAccess, host_port, split_url
 
@@ -671,6 +675,36 @@ class RedisTier:
 
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    def server_memory(self) -> ServerMemory:
+        """``INFO memory`` of the server, or of every master of a cluster (a master that
+        does not answer is left out of the sums); ``TierUnavailable`` if none answers."""
+        if self._closed:
+            raise TierUnavailable(_TIER, "tier is closed")
+        with _backend_errors("info memory"):
+            client = self._redis()
+            if isinstance(client, redis.cluster.RedisCluster):
+                masters = client.get_primaries()
+                infos = []
+                for node in masters:
+                    node_client = _node_client(client, node.name)
+                    if node_client is None or not self._breaker(client, node.name).allow():
+                        continue
+                    with contextlib.suppress(redis.exceptions.RedisError):
+                        infos.append(node_client.info("memory"))
+                if not infos:
+                    raise redis.exceptions.ConnectionError("no master answered INFO memory")
+                count = len(masters)
+            else:
+                infos, count = [client.info("memory")], 1
+        limits = [int(info.get("maxmemory", 0)) for info in infos]
+        return ServerMemory(
+            used_bytes=sum(int(info.get("used_memory", 0)) for info in infos),
+            max_bytes=0 if 0 in limits else sum(limits),
+            policies=frozenset(str(info.get("maxmemory_policy", "unknown")) for info in infos),
+            masters=count,
+            answered=len(infos),
+        )
 
     def close(self) -> None:
         """Close every pooled connection. Idempotent; later calls raise TierUnavailable."""

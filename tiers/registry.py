@@ -42,6 +42,10 @@ class TierConfig:
     cluster: bool = False
     key_prefix: str = "kvs"
     ttl_s: int | None = None
+    # a shared tier: "through" copies every put to it soon after (the default: other hosts
+    # see it), "back" only what the local tiers push out (``kvstore.store.write_through``)
+    write: str | None = None
+    write_queue: int = 8192  # blocks waiting for their write-through, at most
     # A hung Redis costs a request these once (then the tier's breaker answers for it):
     # together under the client's 2 s, so that one request degrades, not times out.
     socket_timeout_s: float = 1.0
@@ -66,6 +70,22 @@ class TierConfig:
         object.__setattr__(self, "username", access.username)
         object.__setattr__(self, "password", access.password)
         object.__setattr__(self, "tls", access.tls)
+        write = (
+            self.write if self.write is not None else ("through" if self.kind.shared else "back")
+        )
+        if write not in _WRITE_MODES:
+            raise ConfigError(f"tier {self.kind.label!r}: write must be one of {_WRITE_MODES}")
+        if write == "through" and not self.kind.shared:
+            raise ConfigError(
+                f"tier {self.kind.label!r}: write = 'through' is for a shared tier (redis)"
+            )
+        if self.write_queue < 1:
+            raise ConfigError(f"tier {self.kind.label!r}: write_queue must be at least 1")
+        object.__setattr__(self, "write", write)
+
+    @property
+    def writes_through(self) -> bool:
+        return self.write == "through"
 
     def redis_access(self) -> RedisAccess:
         """The redis tier's credentials and TLS settings."""
@@ -80,6 +100,7 @@ class TierConfig:
 
 
 _TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+_WRITE_MODES = ("through", "back")
 
 # How a ``KVSTORE_<TIER>_<FIELD>`` variable is read: by its field's type, under the
 # name the file uses (sizes are text: "8GiB").

@@ -81,6 +81,21 @@ _TIER_COUNTERS = (
     ),
     ("calls_refused", "calls_refused", "Calls answered without the backend: it was down."),
     ("breaker_trips", "breaker_trips", "Times a failure of the tier opened its breaker."),
+    (
+        "write_through_written",
+        "write_through_written",
+        "Blocks a put stored locally that were then copied to this shared tier.",
+    ),
+    (
+        "write_through_dropped",
+        "write_through_dropped",
+        "Blocks not copied to this shared tier: its write-through queue was full.",
+    ),
+    (
+        "write_through_failed",
+        "write_through_failed",
+        "Blocks this shared tier refused or failed to store on their write-through.",
+    ),
 )
 _TIER_GAUGES = (
     ("used_bytes", "used_bytes", "Stored bytes the tier holds."),

@@ -315,6 +315,7 @@ class SharedServing:
                 published = core.placement.publish(TierKind.DRAM, namespace.digest, fresh, session)
                 unpublished -= {entry.offset for entry in fresh}
                 core.stats.chunks_stored += len(published)
+            core.stored(namespace, [entry.key for entry in fresh])
         finally:
             self.unreserve_dram(sorted(unpublished))
         return stored + len(published)

@@ -131,6 +131,9 @@ class StoreConfig:
     ``breaker_min_open_s`` / ``breaker_max_open_s``: after a tier's backend fails,
     how long its calls are answered as misses before the first probe, and at most
     between probes while it stays down (``kvstore.breaker``).
+    ``shared_miss_ttl_s``: how long a key a shared tier said it lacks is taken as
+    missing there without asking again (``index.RecentMisses``); another host's put
+    of it may go unseen that long. 0: ask every time.
     """
 
     tiers: tuple[TierConfig, ...]
@@ -144,10 +147,15 @@ class StoreConfig:
     flush_on_close: bool = True
     breaker_min_open_s: float = 0.5
     breaker_max_open_s: float = 10.0
+    shared_miss_ttl_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.tiers:
             raise ConfigError("a store needs at least one tier")
+        if self.shared_miss_ttl_s < 0:
+            raise ConfigError(
+                f"shared_miss_ttl_s must not be negative, got {self.shared_miss_ttl_s}"
+            )
         if not 0 < self.breaker_min_open_s <= self.breaker_max_open_s:
             raise ConfigError(
                 "breaker_min_open_s must be positive and at most breaker_max_open_s, got "

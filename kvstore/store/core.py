@@ -25,7 +25,9 @@ read in progress cannot lose its block.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -39,12 +41,15 @@ from kvstore.store.chunk import KVChunk
 from kvstore.store.config import StoreConfig
 from kvstore.store.eviction import EvictionPolicy, LRUPolicy
 from kvstore.store.guarded import GuardedTier
-from kvstore.store.index import BlockIndex
+from kvstore.store.index import BlockIndex, RecentMisses
 from kvstore.store.placement import Admission, Placement
 from kvstore.store.reader import BlockReader
 from kvstore.store.stats import StoreStats
+from kvstore.store.write_through import WriteThrough
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import open_tier
+
+logger = logging.getLogger(__name__)
 
 
 class StoreCore:
@@ -58,6 +63,8 @@ class StoreCore:
         self.stats = StoreStats()
         # Mutated only by ``placement`` and this class, with ``lock`` held.
         self.index = BlockIndex()
+        # Keys a shared tier said it lacks, for ``config.shared_miss_ttl_s``; under ``lock``.
+        self.shared_misses = RecentMisses(config.shared_miss_ttl_s)
         # Owns the checksum worker thread; safe to call without the lock.
         self.reader = BlockReader()
         self._namespaces: dict[bytes, Namespace] = {}  # digest -> namespace; under ``lock``
@@ -80,16 +87,32 @@ class StoreCore:
             for opened in tiers.values():
                 opened.close()
             raise
+        server_owned = frozenset(t.kind for t in config.tiers if t.kind.shared and t.writes_through)
         self.placement = Placement(
-            tiers, codecs, self.index, policy if policy is not None else LRUPolicy(), self.stats
+            tiers,
+            codecs,
+            self.index,
+            policy if policy is not None else LRUPolicy(),
+            self.stats,
+            server_owned,
         )
         self.has_shared_tier = any(kind.shared for kind in tiers)
         for kind, guarded in tiers.items():
-            if kind.shared:  # a remote tier: say now if it is not there
-                guarded.check()
+            if kind.shared and guarded.check() and kind in server_owned:  # remote: is it there?
+                _check_eviction(guarded)
         if config.scan_on_open:
             with self.lock:
                 self.placement.rebuild_index()
+        # Shared tiers a put is copied to (``kvstore.store.write_through``), each by its
+        # own thread; never the fastest tier, which a put writes itself.
+        self.write_through = [
+            WriteThrough(
+                tier_config.kind, self.lock, self.index, self.placement, self.stats,
+                tier_config.write_queue,
+            )
+            for tier_config in config.tiers
+            if tier_config.writes_through and tier_config.kind != self.placement.fastest
+        ]  # fmt: skip
 
     # -- namespaces and keys ----------------------------------------------------
 
@@ -183,26 +206,39 @@ class StoreCore:
         The index cannot vouch for a shared tier: other processes add blocks and
         the server may evict, expire or lose them (a restart without
         persistence). So keys unknown locally, and keys whose fastest copy is in
-        this tier, are confirmed with one batched round trip. A tier that does
-        not answer confirms nothing: its keys count as not cached.
+        this tier, are confirmed with one batched round trip, except the keys it
+        said it lacks a moment ago (``shared_misses``). A tier that does not answer
+        confirms nothing: its keys count as not cached.
         """
-        asked = [i for i, tier in enumerate(located) if tier is None or tier is kind]
+        now = time.monotonic()
+        with self.lock:
+            asked = [
+                i
+                for i, tier in enumerate(located)
+                if tier is kind
+                or (tier is None and not self.shared_misses.missed(kind, keys[i], now))
+            ]
         if not asked:
             return
         tier = self.placement.tiers[kind]
         present = tier.contains_many(namespace.digest, [keys[i] for i in asked])
         lost: list[ChunkKey] = []
+        absent: list[ChunkKey] = []
         for position, index in enumerate(asked):
             if present is not None and present[position]:
                 located[index] = kind
-            elif located[index] is kind:
+                continue
+            if located[index] is kind:
                 located[index] = None
                 if present is not None:
                     lost.append(keys[index])
-        if lost:
+            if present is not None:
+                absent.append(keys[index])
+        if lost or absent:
             with self.lock:
                 for key in lost:
                     self.placement.unindex(kind, key)
+                self.shared_misses.add(kind, absent, now)
 
     # -- writing ----------------------------------------------------------------
 
@@ -253,7 +289,19 @@ class StoreCore:
             self.stats.puts += 1
             self.stats.chunks_stored += len(stored)
             self.stats.puts_dropped += len(admissions) - len(stored)
+            self.shared_misses.forget(stored)
+        self.stored(namespace, [a.key for a in admissions if a.key in stored])
         return len(stored)
+
+    def stored(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> None:
+        """A put stored ``keys`` (in chain order): queue their write-through copies."""
+        for writer in self.write_through:
+            writer.offer(namespace.digest, keys)
+
+    def drain_write_through(self, deadline: float | None = None) -> bool:
+        """Wait until every queued write-through copy is made, or until ``deadline``
+        (``time.monotonic``); whether they all were."""
+        return all([writer.drain(deadline) for writer in self.write_through])
 
     # -- reading ----------------------------------------------------------------
 
@@ -344,9 +392,39 @@ class StoreCore:
 
     def close(self) -> None:
         """Close the reader and every tier (idempotent)."""
+        for writer in self.write_through:
+            writer.close(deadline=time.monotonic())  # what is queued still has local copies
         with self.lock:
             if not self._closed:
                 self._closed = True
                 self.reader.close()
                 for tier in self.placement.tiers.values():
                     tier.close()
+
+
+_EVICTING_POLICIES = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
+
+
+def _check_eviction(tier: GuardedTier) -> None:
+    """Warn when a shared tier's servers will not evict for themselves: the store leaves
+    that tier's capacity to them (``maxmemory``, an ``allkeys-*`` policy)."""
+    memory = tier.server_memory()
+    if memory is None:
+        return
+    label = tier.kind.label
+    if memory.max_bytes == 0:
+        logger.warning(
+            "tier %s: maxmemory is not set on every master (%d answered of %d); the store "
+            "leaves this shared tier's capacity to its servers, so it will grow until they "
+            "run out of memory: set maxmemory and maxmemory-policy allkeys-lru",
+            label,
+            memory.answered,
+            memory.masters,
+        )
+    if not memory.policies <= _EVICTING_POLICIES:
+        logger.warning(
+            "tier %s: maxmemory-policy %s: a full server refuses writes (noeviction) or "
+            "keeps blocks without a TTL (volatile-*); set maxmemory-policy allkeys-lru",
+            label,
+            ", ".join(sorted(memory.policies - _EVICTING_POLICIES)),
+        )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -23,7 +24,14 @@ from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.errors import TierError, TierFull, TierRefused
 from kvstore.keys import KEY_BYTES, ChunkKey
 from kvstore.store.stats import TierCounters
-from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, Tier
+from kvstore.tiers.base import (
+    BlockDestination,
+    Buffer,
+    ServerMemory,
+    ServerOwnedTier,
+    StoredBlockInfo,
+    Tier,
+)
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
@@ -31,6 +39,8 @@ logger = logging.getLogger(__name__)
 # What a probe asks a tripped tier: whether it holds a key nobody stores.
 _PROBE_NAMESPACE = bytes(KEY_BYTES)
 _PROBE_KEYS = [ChunkKey(bytes(KEY_BYTES))]
+# How long an answer of a shared tier's servers about their memory is reused.
+_SERVER_MEMORY_MAX_AGE_S = 5.0
 
 
 class GuardedTier:
@@ -53,6 +63,7 @@ class GuardedTier:
             lambda: tier.contains_many(_PROBE_NAMESPACE, _PROBE_KEYS),
             breaker,
         )
+        self._server_memory: tuple[float, ServerMemory | None] | None = None
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None] | None:
         return self._guard(lambda: self.tier.get_many(namespace, keys))
@@ -107,6 +118,20 @@ class GuardedTier:
 
     def capacity_bytes(self) -> int:
         return self.tier.capacity_bytes()
+
+    def server_memory(self) -> ServerMemory | None:
+        """What a shared tier's servers say of their memory (reused for a few seconds, as a
+        scrape asks every time); ``None`` for a tier with no servers, or none answering.
+        Call it without the store's lock: it may cost a round trip."""
+        if not isinstance(self.tier, ServerOwnedTier):
+            return None
+        now = time.monotonic()
+        cached = self._server_memory
+        if cached is not None and now - cached[0] < _SERVER_MEMORY_MAX_AGE_S:
+            return cached[1]
+        memory = self._guard(self.tier.server_memory)
+        self._server_memory = (now, memory)
+        return memory
 
     def close(self) -> None:
         self.breaker.close()

@@ -4,13 +4,17 @@ The index is the store's memory of placement. It is authoritative for the
 process-local tiers (HBM, DRAM, LMDB, whose contents are rebuilt from a scan
 after a restart) and advisory for shared tiers (Redis), which other processes
 write to and the server may evict from: a key the index does not know may
-still be found there.
+still be found there. ``RecentMisses`` remembers, for a moment, the keys a
+shared tier said it lacks, so a lookup that misses again and again (an engine
+asking for a prefix nobody has cached) costs that tier one round trip, not one
+per lookup.
 
 Not thread safe on its own; the store's lock guards every call.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -137,3 +141,45 @@ class BlockIndex:
                 for kind in meta.sizes:
                     grouped.setdefault(kind, []).append(key)
         return grouped
+
+
+class RecentMisses:
+    """Keys a shared tier answered it does not hold, each forgotten ``ttl_s`` later.
+
+    The window is what another host's put may stay unseen by a lookup here (its
+    write-through plus this), so it is short; ``ttl_s`` 0 remembers nothing. At
+    most ``limit`` keys, the oldest forgotten first.
+    """
+
+    def __init__(self, ttl_s: float, limit: int = 1 << 16) -> None:
+        self.ttl_s = ttl_s
+        self._limit = limit
+        self._until: OrderedDict[tuple[TierKind, ChunkKey], float] = OrderedDict()
+
+    def missed(self, kind: TierKind, key: ChunkKey, now: float) -> bool:
+        """Whether ``kind`` said it lacks ``key`` less than ``ttl_s`` before ``now``."""
+        until = self._until.get((kind, key))
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del self._until[(kind, key)]
+        return False
+
+    def add(self, kind: TierKind, keys: Iterable[ChunkKey], now: float) -> None:
+        if self.ttl_s <= 0:
+            return
+        until = now + self.ttl_s
+        for key in keys:
+            self._until[(kind, key)] = until
+            self._until.move_to_end((kind, key))
+        while len(self._until) > self._limit:
+            self._until.popitem(last=False)
+
+    def forget(self, keys: Iterable[ChunkKey]) -> None:
+        """Drop ``keys`` (stored here just now: a shared tier may hold them soon)."""
+        if not self._until:
+            return
+        for key in keys:
+            for kind in TierKind:
+                self._until.pop((kind, key), None)

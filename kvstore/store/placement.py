@@ -16,7 +16,9 @@
 
 Invariants kept here:
 
-* ``used_bytes <= capacity_bytes`` for every tier after every admission.
+* ``used_bytes <= capacity_bytes`` for every tier after every admission, except a
+  shared tier whose servers own its capacity (``server_owned``): the store never
+  evicts there, as its account of what other hosts wrote is not the servers'.
 * A chain being written (``protect``) never evicts itself: a chain longer
   than a tier keeps its head there and spills its tail down.
 * A block the store acknowledged leaves a tier only for a copy below, or at
@@ -93,9 +95,13 @@ class Placement:
         index: BlockIndex,
         policy: EvictionPolicy,
         stats: StoreStats,
+        server_owned: frozenset[TierKind] = frozenset(),
     ) -> None:
         self.tiers = tiers
         self.order = sorted(tiers)
+        # Shared tiers whose servers own their capacity (``maxmemory``): the store never
+        # evicts there, whatever its own accounting of them says.
+        self.server_owned = server_owned
         self._codecs = codecs
         self._index = index
         self._policy = policy
@@ -138,14 +144,22 @@ class Placement:
         spill: list[Admission] = []
         pending = list(admissions)
         limit = len(pending)
+        server_owned = kind in self.server_owned
         while pending:
-            batch = self._fill_batch(kind, pending[:limit], capacity, protect)
+            if server_owned:
+                batch = pending[:limit]
+            else:
+                batch = self._fill_batch(kind, pending[:limit], capacity, protect)
             if not batch:
                 spill.append(pending.pop(0))
                 continue
             try:
                 written = tier.put_many(namespace, [(a.key, a.block) for a in batch])
             except TierFull:
+                if server_owned:  # full by the server's account, which evicts for itself
+                    del pending[: len(batch)]
+                    spill.extend(batch)
+                    continue
                 # The backend disagrees with our accounting (fragmentation, LMDB
                 # page overhead): evict one more and retry with a smaller batch.
                 evicted = self.evict_one(kind, protect)
@@ -259,12 +273,29 @@ class Placement:
         tier = self.tiers[kind].tier
         assert isinstance(tier, ArenaTier), "only arena tiers hand out reservations"
         tier.publish(namespace, [(entry.key, entry.offset, entry.nbytes) for entry in reserved])
-        counters = self._stats.tier(kind)
-        for entry in reserved:
-            self._index.record(kind, entry.key, namespace, entry.parent, entry.nbytes, session)
-            counters.bytes_written += entry.nbytes
-        self._policy.on_access(kind, [entry.key for entry in reserved], session)
+        self.record_stored(
+            kind,
+            namespace,
+            [(entry.key, entry.parent, entry.nbytes) for entry in reserved],
+            session,
+        )
         return {entry.key for entry in reserved}
+
+    def record_stored(
+        self,
+        kind: TierKind,
+        namespace: bytes,
+        stored: Sequence[tuple[ChunkKey, ChunkKey | None, int]],
+        session: str | None = None,
+    ) -> None:
+        """Index blocks (key, parent, stored bytes) that tier ``kind`` accepted from a writer
+        other than ``admit`` (a published reservation, a write-through), count their bytes
+        and tell the policy."""
+        counters = self._stats.tier(kind)
+        for key, parent, nbytes in stored:
+            self._index.record(kind, key, namespace, parent, nbytes, session)
+            counters.bytes_written += nbytes
+        self._policy.on_access(kind, [key for key, _, _ in stored], session)
 
     def unreserve(self, kind: TierKind, reserved: Sequence[int]) -> None:
         """Give back reserved extents (by offset) that will not be published."""

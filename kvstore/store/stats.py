@@ -25,6 +25,12 @@ class TierCounters:
     errors: int = 0
     writebacks_failed: int = 0  # victims kept here: their copy to a slower tier failed
     calls_refused: int = 0  # answered as a miss or a failed write: the breaker was open
+    # A shared tier in write-through mode (``kvstore.store.write_through``): blocks queued
+    # for a copy, copied, dropped because the queue was full, and refused by the tier.
+    write_through_queued: int = 0
+    write_through_written: int = 0
+    write_through_dropped: int = 0
+    write_through_failed: int = 0
     breaker_trips: int = 0
     down: int = 0  # 1 while the breaker is open
     used_bytes: int = 0

@@ -316,22 +316,30 @@ class TieredStore(Closing):
         return self._maintenance.scrub(batch)
 
     def flush(self, *, deadline: float | None = None, batch: int = 64) -> int:
-        """Copy blocks only a volatile tier holds into the first persistent tier;
-        how many were written (``Maintenance.flush``)."""
+        """Make every queued write-through copy, then copy blocks only a volatile tier holds
+        into the first persistent tier; how many were written (``Maintenance.flush``)."""
+        self.core.drain_write_through(deadline)
         return self._maintenance.flush(deadline=deadline, batch=batch)
 
     # -- stats and lifecycle ------------------------------------------------
 
     def stats(self) -> StoreStats:
-        """A snapshot of the counters, with each tier's current usage."""
+        """A snapshot of the counters, with each tier's current usage: for a shared tier
+        whose servers own its capacity, theirs (every host's blocks), as they report it."""
+        placement = self.core.placement
+        servers = {kind: placement.tiers[kind].server_memory() for kind in placement.server_owned}
         with self.core.lock:
             snapshot = self.core.stats.snapshot()
-            for kind, tier in self.core.placement.tiers.items():
+            for kind, tier in placement.tiers.items():
                 counters = snapshot.tier(kind)
                 counters.used_bytes = tier.used_bytes()
                 counters.blocks = self.core.index.count(kind)
                 counters.breaker_trips = tier.breaker.trips
                 counters.down = int(tier.breaker.is_open)
+                memory = servers.get(kind)
+                if memory is not None:
+                    counters.used_bytes = memory.used_bytes
+                    counters.capacity_bytes = memory.max_bytes or counters.capacity_bytes
             return snapshot
 
     def tier(self, kind: TierKind) -> Tier:

@@ -292,7 +292,10 @@ def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> S
             if config.redis_url is None:
                 raise ConfigError("a Redis tier needs a redis_url (tiers.local_redis starts one)")
             prefix = f"kvs-replay-{directory.name}"
-            tiers.append(TierConfig(kind, capacity, url=config.redis_url, key_prefix=prefix))
+            # One host's overflow, kept within --redis-gb by the store: write-back.
+            tiers.append(
+                TierConfig(kind, capacity, url=config.redis_url, key_prefix=prefix, write="back")
+            )
     if not tiers or tiers[0].kind is not TierKind.HBM:
         raise ConfigError("the engine model needs an HBM tier: give --hbm-gb")
     costs = dataclasses.replace(config.costs, kv_bytes_per_token=config.kv_bytes_per_token)

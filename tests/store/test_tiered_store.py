@@ -287,7 +287,7 @@ def test_concurrent_writers_and_readers(tmp_path: Path) -> None:
 
 def test_redis_stopped_mid_test_degrades_to_misses(redis_server_factory) -> None:
     server: RedisServer = redis_server_factory()
-    with TieredStore(kv.config(kv.dram(2), kv.redis(server.url))) as store:
+    with TieredStore(kv.config(kv.dram(2), kv.redis(server.url, write="back"))) as store:
         ns = kv.namespace()
         data = kv.chunks(5)
         store.put(ns, kv.tokens(5), data)
@@ -502,7 +502,8 @@ def test_a_slow_redis_is_a_bounded_miss(redis_server_factory) -> None:
 
 def test_reopen_over_redis_restores_its_accounting(clean_redis: RedisServer) -> None:
     ns = kv.namespace()
-    config = kv.config(kv.dram(1), kv.redis(clean_redis.url))
+    # Write-back: the store keeps the tier within its capacity by its own account.
+    config = kv.config(kv.dram(1), kv.redis(clean_redis.url, write="back"))
     with TieredStore(config) as store:
         store.put(ns, kv.tokens(4), kv.chunks(4))
         store.demote(ns, store.keys_for(ns, kv.tokens(1)))  # the head leaves DRAM too

@@ -56,7 +56,9 @@ def ssd(path: Path, capacity: int = 64 << 20, codec: str = "none") -> TierConfig
     return TierConfig(TierKind.SSD, capacity, path=path, codec=codec)
 
 
-def redis(url: str, capacity: int = 64 << 20, codec: str = "none") -> TierConfig:
+def redis(
+    url: str, capacity: int = 64 << 20, codec: str = "none", write: str | None = None
+) -> TierConfig:
     return TierConfig(
         TierKind.REDIS,
         capacity,
@@ -64,6 +66,7 @@ def redis(url: str, capacity: int = 64 << 20, codec: str = "none") -> TierConfig
         codec=codec,
         socket_timeout_s=0.5,
         connect_timeout_s=0.5,
+        write=write,
     )
 
 

@@ -95,6 +95,7 @@ def test_a_tier_down_mid_load_falls_back_to_the_chunks_that_loaded(
                 url=clean_redis.url,
                 socket_timeout_s=0.5,
                 connect_timeout_s=0.5,
+                write="back",  # chunks reach Redis only as the test moves them there
             ),
         ),
         promote_on_hit=False,
