@@ -26,6 +26,7 @@ import secrets
 import weakref
 from collections.abc import Sequence
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import numpy as np
 
@@ -35,6 +36,10 @@ from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.extents import PAGE_BYTES
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.prefault import Prefault
+
+_GPU_DEVICE_FILES = (Path("/dev/nvidiactl"), Path("/dev/dxg"), Path("/dev/kfd"))
+"""What a GPU driver (NVIDIA's; WSL's; ROCm's) shows a process: on a host with none of
+them torch can find no device, so it is not imported (most of a second) to be asked."""
 
 
 class SharedMemoryArena:
@@ -114,11 +119,13 @@ def _release_segment(segment: shared_memory.SharedMemory, held: int | None) -> N
 
 def _pin_host_memory(array: np.ndarray) -> bool:
     """Page-lock ``array`` for DMA if a CUDA device is usable; report whether it was."""
+    if array.nbytes == 0 or not any(device.exists() for device in _GPU_DEVICE_FILES):
+        return False
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a hard dependency
         return False
-    if not torch.cuda.is_available() or array.nbytes == 0:
+    if not torch.cuda.is_available():
         return False
     result = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
     return int(result) == 0
