@@ -27,7 +27,6 @@ import enum
 import hashlib
 import json
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
@@ -36,6 +35,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ConfigError, LayoutMismatch
+from kvstore.tensors import is_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -211,10 +211,7 @@ def keys_of(namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey
     Every API that takes "tokens or keys" (the store, the client) resolves
     them here, so both faces accept exactly the same inputs.
     """
-    # Not imported here: a caller that holds a tensor has imported torch already, and
-    # the format stays importable in a few milliseconds.
-    torch_module = sys.modules.get("torch")
-    if torch_module is not None and isinstance(tokens_or_keys, torch_module.Tensor):
+    if is_tensor(tokens_or_keys):
         return chunk_keys(namespace, tokens_or_keys.detach().cpu().numpy())
     items = list(tokens_or_keys) if not isinstance(tokens_or_keys, np.ndarray) else None
     if items and isinstance(items[0], bytes):

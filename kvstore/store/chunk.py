@@ -4,27 +4,34 @@ A chunk is the KV of ``chunk_tokens`` tokens in the namespace's layout,
 ``(num_layers, 2, chunk_tokens, num_kv_heads, head_dim)`` of its dtype. Callers
 may pass a torch tensor (any device), a numpy array or raw bytes of exactly
 the right size; anything else is refused with ``LayoutMismatch`` before any
-byte is stored.
+byte is stored. torch is imported only to make a tensor (``KVChunk.tensor``):
+a value is recognised as one without it (``kvstore.tensors``), so a store
+that is only ever handed bytes, the daemon's, never loads torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import torch
 
 from kvstore.errors import LayoutMismatch
 from kvstore.keys import ChunkKey, KVLayout
+from kvstore.tensors import is_tensor
 from kvstore.tiers.kinds import TierKind
 
-ChunkData = torch.Tensor | np.ndarray | bytes | bytearray | memoryview
+if TYPE_CHECKING:
+    import torch
+
+ChunkData: TypeAlias = "torch.Tensor | np.ndarray | bytes | bytearray | memoryview"
 
 
 def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
     """A flat byte view of one chunk, validated against ``layout`` (copies only off-CPU)."""
-    if isinstance(data, torch.Tensor):
+    if is_tensor(data):
+        import torch  # imported already: the caller holds a tensor
+
         if str(data.dtype).removeprefix("torch.") != layout.dtype:
             raise LayoutMismatch(f"chunk dtype {data.dtype} is not the namespace's {layout.dtype}")
         if tuple(data.shape) != layout.chunk_shape:
@@ -59,7 +66,9 @@ def destination_bytes(data: ChunkData, layout: KVLayout) -> np.ndarray:
     array, a ``bytearray`` or a writable ``memoryview``), be contiguous and
     hold exactly one chunk; it is written in place, never copied.
     """
-    if isinstance(data, torch.Tensor):
+    if is_tensor(data):
+        import torch  # imported already: the caller holds a tensor
+
         if data.device.type != "cpu":
             raise LayoutMismatch("destination tensors must be in host memory")
         if str(data.dtype).removeprefix("torch.") != layout.dtype or not data.is_contiguous():
@@ -100,6 +109,8 @@ class KVChunk:
 
     def tensor(self) -> torch.Tensor:
         """The chunk as a CPU tensor of the layout's shape and dtype (no copy when possible)."""
+        import torch
+
         dtype: Any = getattr(torch, self.layout.dtype)
         if self.payload.readonly:
             raw = torch.from_numpy(np.frombuffer(self.payload, dtype=np.uint8).copy())

@@ -446,6 +446,53 @@ for chain in range(10_000):
 """
 
 
+# The store as the daemon uses it, chunks in as bytes and arrays and out into buffers,
+# in an interpreter of its own (pytest's has imported torch; ``support.kv`` does too).
+WITHOUT_TENSORS = """
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.keys import KVLayout, Namespace
+from kvstore.store.config import StoreConfig
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.registry import TierConfig
+
+layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
+ns = Namespace("no-tensors", layout)
+root = Path(sys.argv[1])
+tiers = (TierConfig(TierKind.DRAM, 1 << 20), TierConfig(TierKind.SSD, 64 << 20, path=root))
+chunks = [bytes([i]) * layout.chunk_nbytes for i in range(4)]
+tokens = np.arange(4 * layout.chunk_tokens)
+with TieredStore(StoreConfig(tiers=tiers, data_dir=root)) as store:
+    array = np.frombuffer(chunks[2], np.float16).reshape(layout.chunk_shape)
+    store.put(ns, tokens[:32], chunks[:2])
+    store.put(ns, tokens, [None, None, array, chunks[3]])
+    keys = store.lookup(ns, tokens).keys
+    assert store.demote(ns, keys[:2]) == 2
+    out = [bytearray(layout.chunk_nbytes) for _ in keys]
+    read = store.get(ns, keys, out=out)
+    assert [chunk.tier.label for chunk in read] == ["ssd", "ssd", "dram", "dram"]
+    assert list(map(bytes, out)) == chunks
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_a_store_handed_no_tensors_never_imports_torch(tmp_path: Path) -> None:
+    """torch takes most of a second to import; the daemon's store, handed bytes off a
+    socket, never needs it (``kvstore.tensors``)."""
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TENSORS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "torch imported: False\n"
+
+
 def test_kill_9_during_lmdb_writes_then_reopen(tmp_path: Path) -> None:
     import os
     import signal
