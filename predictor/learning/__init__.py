@@ -16,27 +16,10 @@ Typical use, one call per event::
     forecast = learner.observe(event)        # a ReturnForecast when a session goes idle
     forecast.within(600.0)                   # P(back within 10 min)
 
+Import each name from its module: this package imports none of them, so the tracker,
+the features and the learner load without torch, which only ``model`` needs (the
+daemon listens before it loads its model).
+
 May import: the format and ``kvstore.wire.events``; nothing of tiers, the store or
 placement, so a model can be trained and scored with no store at all.
 """
-
-
-from kvstore.predictor.learning.features import FEATURES, feature_names, feature_vector
-from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel, default_prior
-from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
-from kvstore.predictor.learning.quality import PrequentialScores
-from kvstore.predictor.learning.sessions import SessionState, SessionTracker
-
-__all__ = [
-    "DEFAULT_HORIZONS",
-    "FEATURES",
-    "OnlineLearner",
-    "PrequentialScores",
-    "ReturnForecast",
-    "ReturnModel",
-    "SessionState",
-    "SessionTracker",
-    "default_prior",
-    "feature_names",
-    "feature_vector",
-]

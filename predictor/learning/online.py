@@ -24,6 +24,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,10 +36,12 @@ from kvstore.predictor.learning.counting import (
     blend,
 )
 from kvstore.predictor.learning.features import feature_vector
-from kvstore.predictor.learning.model import ReturnModel
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionState, SessionTracker
 from kvstore.wire.events import RequestStarted, SessionEvent
+
+if TYPE_CHECKING:  # a learner is handed its model: it never imports torch itself
+    from kvstore.predictor.learning.model import ReturnModel
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.predictor.learning import (
-    OnlineLearner,
-    PrequentialScores,
-    ReturnForecast,
-    ReturnModel,
-    SessionTracker,
-    feature_names,
-)
+from kvstore.predictor.learning.features import feature_names
+from kvstore.predictor.learning.model import ReturnModel
+from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
+from kvstore.predictor.learning.quality import PrequentialScores
+from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
 
 torch.set_num_threads(1)
