@@ -31,14 +31,16 @@ class PredictorConfig:
     LRU policy and only records events.
 
     ``weights`` is a model file from ``kvstore train-predictor`` to start
-    from. The model the daemon learns is saved under ``<data_dir>/predictor/``
-    every ``save_interval_s`` and at shutdown, and that file, when present,
-    wins over ``weights`` on the next start (delete it to start over from
-    ``weights``). ``horizons_s`` shape a new model only; a loaded one keeps
-    its own. Session events wait in a queue of ``queue_size`` (a full queue
-    drops and counts them: events are advisory); ``tick_s`` is the timer that
-    labels passed horizons and re-places idle sessions; a session idle for
-    ``forget_after_s`` is forgotten.
+    from; the daemon loads its model once it listens, and stops (exit status
+    1) if this one cannot be used. The model the daemon learns is saved under
+    ``<data_dir>/predictor/`` every ``save_interval_s`` and at shutdown, and
+    that file, when present, wins over ``weights`` on the next start (delete
+    it to start over from ``weights``). ``horizons_s`` shape a new model only;
+    a loaded one keeps its own. Session events wait in a queue of
+    ``queue_size`` (a full queue drops and counts them: events are advisory;
+    those that come before the model is loaded wait there for it); ``tick_s``
+    is the timer that labels passed horizons and re-places idle sessions; a
+    session idle for ``forget_after_s`` is forgotten.
     """
 
     enabled: bool = True

@@ -31,10 +31,21 @@ window, ``DaemonConfig.event_time_*``: one event stamped far ahead would
 otherwise label every pending forecast at once.)
 
 The model lives in ``<data_dir>/predictor/model.pt`` (``load_model`` says in
-which order files are tried). Threads: the queue, the clock and the counters
-belong to the event loop; the learner, tracker and scores are used under
-``_lock`` on worker threads; the policy under the store's lock as well
-(``kvstore.predictor.driver``).
+which order files are tried). It is loaded by ``load``, which the daemon calls
+once it listens: the model is a torch module, and importing torch takes most of
+a second that a restart need not wait for. Until then the store evicts by the
+policy, which needs no model, and events wait in the queue: ``load`` starts the
+task that works it, so every event is handled by the loaded model, in arrival
+order, as if the model had been there from the start. Meanwhile ``snapshot``
+says ``"source": "loading"`` and ``session`` knows no session. A model that
+cannot be loaded for the host's sake (no file descriptor left, no memory: a
+daemon flooded with connections as it starts) leaves the daemon serving without
+one, ``"source": "unavailable"``, its events dropped once the queue is full:
+torch cannot be imported again in a process where its import failed half-way.
+
+Threads: the queue, the clock and the counters belong to the event loop; the
+learner, tracker and scores are used under ``_lock`` on worker threads; the
+policy under the store's lock as well (``kvstore.predictor.driver``).
 """
 
 from __future__ import annotations
@@ -55,7 +66,6 @@ from kvstore.errors import ConfigError, UnknownNamespace
 from kvstore.keys import ChunkKey
 from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.learning.features import feature_names
-from kvstore.predictor.learning.model import REHEARSAL, ReturnModel
 from kvstore.predictor.learning.online import OnlineLearner
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionTracker
@@ -65,6 +75,7 @@ from kvstore.wire.events import UNNAMED, RequestStarted, SessionEvent
 
 if TYPE_CHECKING:  # kvstore.server imports this module: no import cycle at run time
     from kvstore.predictor.config import PredictorConfig
+    from kvstore.predictor.learning.model import ReturnModel  # torch: ``load_model`` imports it
 
 log = logging.getLogger("kvstore.predictor")
 
@@ -85,6 +96,8 @@ def load_model(config: PredictorConfig, saved: Path) -> tuple[ReturnModel, str]:
        ``ConfigError`` (the operator asked for it by name).
     3. A new model at the published base rates, with ``config.horizons_s``.
     """
+    from kvstore.predictor.learning.model import REHEARSAL, ReturnModel
+
     width = len(feature_names())
     if saved.exists():
         try:
@@ -118,6 +131,8 @@ def load_model(config: PredictorConfig, saved: Path) -> tuple[ReturnModel, str]:
 
 def _read_model(path: Path) -> ReturnModel:
     """``ReturnModel.load``, with every way a file can be unreadable as a ``ConfigError``."""
+    from kvstore.predictor.learning.model import ReturnModel
+
     try:
         return ReturnModel.load(path)
     except ConfigError:
@@ -130,7 +145,8 @@ class PredictorService:
     """Learner, tracker and placement policy of one daemon; see the module docstring.
 
     ``policy`` must be the store's eviction policy (``TieredStore(policy=...)``),
-    so the service exists before the store and is ``attach``-ed to it after.
+    so the service exists before the store and is ``attach``-ed to it after; its
+    model is loaded after that (``load``).
     """
 
     def __init__(
@@ -142,9 +158,10 @@ class PredictorService:
     ) -> None:
         self.config = config
         self.path = data_dir / MODEL_FILE
-        model, self.source = load_model(config, self.path)
+        self.source = "loading"  # then where the model came from (``load_model``)
         self.scores = PrequentialScores()
-        self.learner = OnlineLearner(model, SessionTracker(), self.scores, learn_at_horizon=True)
+        self.tracker = SessionTracker()
+        self.learner: OnlineLearner | None = None  # made by ``load``
         # Prefetches run after the store's lock is let go (``_prefetch``).
         self.policy = PlacementPolicy(defer_prefetches=True)
         self.processed = 0
@@ -152,7 +169,9 @@ class PredictorService:
         self.failed = 0
         self.saves = 0
         self.placements: Counter[str] = Counter()
-        self._driver: SessionDriver | None = None
+        self._store: TieredStore | None = None
+        self._driver: SessionDriver | None = None  # made by ``load``
+        self._task: asyncio.Task[None] | None = None  # works the queue; ``load`` starts it
         self._clock = clock
         self._offset: float | None = None  # event clock = clock() + offset
         self._queue: asyncio.Queue[SessionEvent] = asyncio.Queue(config.queue_size)
@@ -161,12 +180,33 @@ class PredictorService:
         self._puts: OrderedDict[str, tuple[bytes, tuple[ChunkKey, ...]]] = OrderedDict()
 
     @property
-    def model(self) -> ReturnModel:
-        return self.learner.model
+    def model(self) -> ReturnModel | None:
+        """The model once ``load`` has loaded it."""
+        return None if self.learner is None else self.learner.model
 
     def attach(self, store: TieredStore) -> None:
-        """Drive ``store``, whose eviction policy is ``self.policy``."""
-        self._driver = SessionDriver(store, self.policy, self.learner)
+        """Drive ``store``, whose eviction policy is ``self.policy``, once ``load``-ed."""
+        self._store = store
+
+    async def load(self) -> None:
+        """Load the model (on a worker thread) and start working the queue: the events
+        queued meanwhile first. Raises ``ConfigError`` for ``weights`` it cannot use;
+        any other failure is logged and leaves the service without a model."""
+        store = self._store
+        assert store is not None, "attach() the store first"
+        try:
+            model, source = await asyncio.to_thread(load_model, self.config, self.path)
+        except ConfigError:
+            raise
+        except Exception:  # the host's trouble, not the operator's: serve on without it
+            self.source = "unavailable"
+            log.exception("predictor: cannot load the model; serving without it")
+            return
+        learner = OnlineLearner(model, self.tracker, self.scores, learn_at_horizon=True)
+        with self._lock:
+            self.learner, self.source = learner, source
+            self._driver = SessionDriver(store, self.policy, learner)
+        self._task = asyncio.create_task(self._run(), name="kvstore-predictor")
 
     # -- the event loop's side ----------------------------------------------------
 
@@ -193,12 +233,14 @@ class PredictorService:
         return None if self._offset is None else self._clock() + self._offset
 
     async def lifecycle(self, _app: object) -> AsyncIterator[None]:
-        """``cleanup_ctx``: run the queue and the timer; at exit, stop and save."""
-        task = asyncio.create_task(self._run(), name="kvstore-predictor")
+        """``cleanup_ctx``: at exit, stop working the queue and save the model (none
+        to save if it was never loaded: nothing was learnt)."""
         yield
         self._stopping.set()
-        await task
-        await asyncio.to_thread(self.save)
+        if self._task is not None:
+            await self._task
+        if self.learner is not None:
+            await asyncio.to_thread(self.save)
 
     async def _run(self) -> None:
         config = self.config
@@ -247,7 +289,7 @@ class PredictorService:
     def _work(self, batch: list[SessionEvent], tick: float | None) -> None:
         """Apply events in order, then the tick; a failure costs one event, not the daemon."""
         driver = self._driver
-        assert driver is not None, "attach() the store first"
+        assert driver is not None, "load() starts the task that calls this"
         with self._lock:
             for event in batch:
                 try:
@@ -302,11 +344,13 @@ class PredictorService:
     def save(self) -> None:
         """Write the model atomically (a crash mid-save leaves the previous file); a
         failure is logged, and the next save tries again."""
+        model = self.model
+        assert model is not None, "load() the model first"
         with self._lock:
             partial = self.path.with_suffix(".partial")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.model.save(partial)
+                model.save(partial)
                 os.replace(partial, self.path)
             except OSError as error:
                 log.error("predictor: cannot save the model to %s: %s", self.path, error)
@@ -323,8 +367,9 @@ class PredictorService:
         """
         with self._lock:
             report = self.scores.report()
-            idle = len(self.learner.tracker.idle())
+            idle = len(self.tracker.idle())
             placements = dict(self.placements)
+            model, source = self.model, self.source
         quality: dict[str, dict[str, Any]] = {}
         for horizon, n in report.get("n", {}).items():
             entry: dict[str, Any] = {
@@ -344,29 +389,29 @@ class PredictorService:
             "events_failed": self.failed,
             "events_queued": self._queue.qsize(),
             "idle_sessions": idle,
-            "horizons_s": list(self.model.horizons),
+            "horizons_s": None if model is None else list(model.horizons),
             "quality": quality,
             "placements": placements,
             "demoted_chunks": self.policy.demoted,
             "prefetches": self.policy.prefetches.to_dict(),
             "model": {
-                "source": self.source,
+                "source": source,
                 "path": str(self.path),
                 "saves": self.saves,
-                "features": self.model.n_features,
-                "hidden": self.model.hidden,
+                "features": None if model is None else model.n_features,
+                "hidden": None if model is None else model.hidden,
             },
         }
 
     def session(self, name: str) -> dict[str, Any] | None:
-        """What the predictor knows of one session, with where its chain lies now."""
-        driver = self._driver
-        assert driver is not None, "attach() the store first"
+        """What the predictor knows of one session, with where its chain lies now (None:
+        nothing; so before ``load``, as every event still waits in the queue)."""
         with self._lock:
-            state = driver.tracker.get(name)
-            if state is None:
+            driver, learner = self._driver, self.learner
+            state = self.tracker.get(name)
+            if driver is None or learner is None or state is None:
                 return None
-            forecast = self.learner.forecast(name)
+            forecast = learner.forecast(name)
             chain, digest = state.chain, state.namespace
             body: dict[str, Any] = {
                 "session": name,

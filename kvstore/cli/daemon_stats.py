@@ -104,8 +104,13 @@ def format_predictor(predictor: dict[str, Any]) -> list[str]:
     model = predictor.get("model", {})
     prefetches = predictor.get("prefetches", {})
     placements = predictor.get("placements", {})
+    learnt = (
+        f"model {model.get('source')}"  # loading: the daemon listens before it loads it
+        if model.get("features") is None
+        else f"model from {model.get('source')} ({model.get('features')} features)"
+    )
     lines = [
-        f"predictor  model from {model.get('source')} ({model.get('features')} features)"
+        f"predictor  {learnt}"
         f"  events {predictor.get('events_processed', 0)}"
         f" (dropped {predictor.get('events_dropped', 0)})"
         f"  idle sessions {predictor.get('idle_sessions', 0)}",

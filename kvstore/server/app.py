@@ -4,8 +4,9 @@
 serving docs/http_api.md. The caller owns the store (the ``Server`` opens it
 before and closes it after the app) and makes the predictor before the store,
 whose eviction policy it provides; the app owns what lives and dies with it:
-the lease table and its expiry task, the predictor's event queue, timer and
-final save (``cleanup_ctx``), the event ring, the metrics registry.
+the lease table and its expiry task, the predictor's event queue, timer (once
+the ``Server`` has loaded its model) and final save (``cleanup_ctx``), the event
+ring, the metrics registry.
 
 Every request passes the middlewares outermost first::
 

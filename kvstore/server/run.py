@@ -4,13 +4,15 @@ Life of a daemon::
 
     check    refuse at once if a daemon listens on the socket or the TCP port
              (before anything of the store is opened or created)
-    start    load the predictor's model (``[predictor]``; its placement policy is
-             the store's eviction policy), then open the store (LMDB, the DRAM
+    start    make the predictor (``[predictor]``; its placement policy is the
+             store's eviction policy), then open the store (LMDB, the DRAM
              arena) on a worker thread
              bind the Unix socket (mode 0600; a stale socket file is removed,
              a live one is an error) and, if configured, TCP; print where
     serve    until SIGTERM or SIGINT; SIGHUP reloads the token, the lease TTL
-             and the log level from the config file
+             and the log level from the config file. First, on a worker thread,
+             the predictor loads its model (events wait in its queue until it
+             has); a ``weights`` file it cannot use stops the daemon (exit 1)
     drain    stop listening; new requests on open connections get 503;
              requests in flight get ``drain_timeout_s`` to finish (bodies
              still arriving included), then ``_STRAGGLER_TIMEOUT_S`` more
@@ -21,6 +23,11 @@ Life of a daemon::
 
 A second SIGTERM or SIGINT while draining is logged and ignored: the
 deadlines already bound how long the exit takes.
+
+Nothing before the sockets listen imports torch, which takes most of a second:
+the store is handed bytes (``kvstore.tensors``), and the predictor's model, a
+torch module, is loaded once the daemon serves
+(``tests/server/test_lifecycle.py`` keeps it so).
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class Server:
         self.listening: list[str] = []
         self._should_exit = asyncio.Event()
         self._socket_inode: int | None = None
+        self._loading: asyncio.Task[None] | None = None  # the predictor's model, once listening
+        self._failure: StartupError | None = None  # what stopped the daemon, raised by serve()
 
     @property
     def daemon(self) -> DaemonConfig:
@@ -99,6 +108,8 @@ class Server:
         finally:
             await self.shutdown()
             executor.shutdown(wait=True)
+        if self._failure is not None:
+            raise self._failure
 
     # -- startup ------------------------------------------------------------------
 
@@ -111,7 +122,12 @@ class Server:
         # The store opens LMDB inside these; it does not create their parents.
         for directory in _store_directories(self.config):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        predictor = await self._predictor()
+        config = self.config
+        predictor = (
+            PredictorService(config.predictor, config.store.data_dir)
+            if config.predictor.enabled
+            else None
+        )
         # The daemon flushes on its way out, within ``flush_timeout_s`` (``stop``); its
         # store's own close must not flush again past that deadline.
         store_config = dataclasses.replace(self.config.store, flush_on_close=False)
@@ -138,24 +154,28 @@ class Server:
             ", ".join(kind.label for kind in self.store.tier_kinds),
             os.getpid(),
         )
+        if predictor is not None:
+            self._loading = asyncio.create_task(self._load_model(predictor))
 
-    async def _predictor(self) -> PredictorService | None:
-        """The predictor service, its model loaded (None when disabled)."""
-        config = self.config.predictor
-        if not config.enabled:
-            return None
+    async def _load_model(self, predictor: PredictorService) -> None:
+        """The predictor's model, loaded while the daemon serves; ``weights`` it cannot
+        use stop the daemon (the operator named them), any other failure only the
+        predictor's learning (``PredictorService.load``)."""
         try:
-            predictor = await asyncio.to_thread(
-                PredictorService, config, self.config.store.data_dir
-            )
+            await predictor.load()
         except ConfigError as error:
-            raise StartupError(f"predictor: {error}") from error
+            self._failure = StartupError(f"predictor: {error}")  # raised by serve()
+            log.error("%s; stopping", self._failure)
+            self._should_exit.set()
+            return
+        model = predictor.model
+        if model is None:  # unavailable: the service has said why
+            return
         log.info(
             "predictor: model from %s (horizons %s s)",
-            predictor.source if predictor.source != "weights" else config.weights,
-            ", ".join(f"{h:g}" for h in predictor.model.horizons),
+            predictor.source if predictor.source != "weights" else self.config.predictor.weights,
+            ", ".join(f"{h:g}" for h in model.horizons),
         )
-        return predictor
 
     async def _start_unix_site(self, runner: web.AppRunner, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -235,6 +255,11 @@ class Server:
     async def shutdown(self) -> None:
         """Drain, stop, flush, close; each step runs even if an earlier one failed."""
         started = time.monotonic()
+        if self._loading is not None:  # a model still loading is not waited for
+            self._loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loading
+            self._loading = None
         if self.runner is not None and self.app is not None:
             await self._drain(self.runner, self.app[STATE])
             # Closes connections (stragglers get _STRAGGLER_TIMEOUT_S), then

@@ -6,6 +6,7 @@ tests (test_server_predictor.py) cover the same paths over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -15,8 +16,10 @@ import numpy as np
 import pytest
 from support import kv
 
+from kvstore.cli.daemon_stats import format_predictor
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
+from kvstore.predictor import service as service_module
 from kvstore.predictor.config import PredictorConfig
 from kvstore.predictor.learning.counting import HumanGapTable, blend
 from kvstore.predictor.learning.features import feature_names
@@ -51,14 +54,13 @@ def ns() -> Namespace:
 
 
 @pytest.fixture
-def make_store(tmp_path: Path) -> Iterator[Callable[[PredictorService], TieredStore]]:
-    """A DRAM (20 slots) + LMDB store whose policy is the service's, attached to it."""
+def make_store(tmp_path: Path) -> Iterator[Callable[..., TieredStore]]:
+    """``make(service, root=tmp_path)``: a DRAM (20 slots) + LMDB store in ``root`` whose
+    policy is the service's, attached to it."""
     stores: list[TieredStore] = []
 
-    def make(service: PredictorService) -> TieredStore:
-        config = StoreConfig(
-            tiers=(kv.dram(DRAM_SLOTS), kv.ssd(tmp_path / "lmdb")), data_dir=tmp_path
-        )
+    def make(service: PredictorService, root: Path = tmp_path) -> TieredStore:
+        config = StoreConfig(tiers=(kv.dram(DRAM_SLOTS), kv.ssd(root / "lmdb")), data_dir=root)
         store = TieredStore(config, policy=service.policy)
         service.attach(store)
         stores.append(store)
@@ -71,9 +73,11 @@ def make_store(tmp_path: Path) -> Iterator[Callable[[PredictorService], TieredSt
 
 @asynccontextmanager
 async def running(service: PredictorService) -> AsyncIterator[PredictorService]:
-    """The service's ``cleanup_ctx`` lifecycle, as the app runs it."""
+    """The service's ``cleanup_ctx`` lifecycle, as the app runs it, and its model loaded,
+    as the daemon loads it once it listens."""
     lifecycle = service.lifecycle(None)
     await anext(lifecycle)
+    await service.load()
     try:
         yield service
     finally:
@@ -86,15 +90,20 @@ async def feed(service: PredictorService, events: list[SessionEvent]) -> None:
     target = service.processed + len(events)
     for event in events:
         assert service.submit(event)
+    await handled(service, target)
+
+
+async def handled(service: PredictorService, count: int) -> None:
+    """Wait until the service has handled ``count`` events in all."""
     for _ in range(500):
-        if service.processed >= target:
+        if service.processed >= count:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"processed {service.processed} of {target} events")
+    raise AssertionError(f"processed {service.processed} of {count} events")
 
 
 def busy_and_idle(
-    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore], ns: Namespace
+    tmp_path: Path, make_store: Callable[..., TieredStore], ns: Namespace
 ) -> tuple[PredictorService, TieredStore, list[ChunkKey], list[ChunkKey]]:
     """A pessimist's service and its store, DRAM full with the chains of sessions "busy"
     (12 chunks) and "idle" (8, the latest put of "idle", as the put route records)."""
@@ -110,7 +119,7 @@ def busy_and_idle(
 
 
 def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
-    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore], ns: Namespace
+    tmp_path: Path, make_store: Callable[..., TieredStore], ns: Namespace
 ) -> None:
     service, store, busy, idle = busy_and_idle(tmp_path, make_store, ns)
 
@@ -144,7 +153,7 @@ def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
 
 def test_a_prefetch_reads_its_chain_without_holding_the_store_lock(
     tmp_path: Path,
-    make_store: Callable[[PredictorService], TieredStore],
+    make_store: Callable[..., TieredStore],
     ns: Namespace,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -187,7 +196,7 @@ def test_a_prefetch_reads_its_chain_without_holding_the_store_lock(
 
 
 def test_labels_are_learnt_when_returns_and_horizons_reveal_them(
-    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore]
+    tmp_path: Path, make_store: Callable[..., TieredStore]
 ) -> None:
     """Ten sessions come back after 30 s, ten never do: once every horizon has passed
     (the event clock follows the events' times), each horizon has 20 labels, half 1."""
@@ -200,10 +209,12 @@ def test_labels_are_learnt_when_returns_and_horizons_reveal_them(
         if i % 2 == 0:
             events.append(started(f"s{i}", at + 35))  # back within a minute, still running
     events.sort(key=lambda event: event.time)
-    prior = service.model.predict(service.model.feature_mean.numpy())
+    priors: list[np.ndarray] = []
 
     async def scenario() -> None:
         async with running(service):
+            assert service.model is not None
+            priors.append(service.model.predict(service.model.feature_mean.numpy()))
             await feed(service, events)
             # The stream spans 235 s: only 60-s horizons can have closed yet.
             assert set(service.snapshot()["quality"]) == {"60"}
@@ -216,11 +227,12 @@ def test_labels_are_learnt_when_returns_and_horizons_reveal_them(
         assert entry["n"] == 20 and entry["positive_rate"] == 0.5
         assert set(entry) == {"n", "positive_rate", "predictor", "base_rate", "last_gap"}
         assert entry["predictor"]["brier"] is not None and entry["base_rate"]["auc"] is not None
-    assert service.model.predict(service.model.feature_mean.numpy()) != pytest.approx(prior)
+    assert service.model is not None
+    assert service.model.predict(service.model.feature_mean.numpy()) != pytest.approx(priors[0])
 
 
 def test_unnamed_events_are_tied_to_sessions_by_their_chains(
-    tmp_path: Path, make_store: Callable[[PredictorService], TieredStore], ns: Namespace
+    tmp_path: Path, make_store: Callable[..., TieredStore], ns: Namespace
 ) -> None:
     service = PredictorService(PredictorConfig(tick_s=0.05), tmp_path)
     make_store(service)
@@ -248,6 +260,84 @@ def test_unnamed_events_are_tied_to_sessions_by_their_chains(
     assert first["chain"]["chunks"] == 8
     second = service.session(f"inferred-{other[-1].hex()}")
     assert second is not None and second["requests"] == 1
+
+
+def test_events_before_the_model_is_loaded_wait_and_are_forecast_as_from_the_start(
+    tmp_path: Path, make_store: Callable[..., TieredStore]
+) -> None:
+    """The daemon takes events before it has loaded its model: they wait in the queue,
+    unhandled however many ticks pass, and once it is loaded they are handled in order,
+    forecast, learnt from and scored as by a service that had its model from the start."""
+    events: list[SessionEvent] = [
+        started("a", T0),
+        finished("a", T0 + 5),
+        started("b", T0 + 6),
+        finished("b", T0 + 9),
+        started("a", T0 + 40),  # back: a's forecast is labelled, and learnt from
+        finished("a", T0 + 45),  # forecast again, by the model that learnt
+    ]
+
+    def service_in(root: Path) -> PredictorService:
+        service = PredictorService(PredictorConfig(tick_s=0.05), root)
+        make_store(service, root)
+        return service
+
+    from_the_start = service_in(tmp_path / "from-the-start")
+    waiting = service_in(tmp_path / "waiting")
+
+    async def scenario() -> None:
+        async with running(from_the_start):
+            await feed(from_the_start, events)
+        lifecycle = waiting.lifecycle(None)
+        await anext(lifecycle)
+        for event in events:
+            assert waiting.submit(event)
+        await asyncio.sleep(0.2)  # four ticks' worth
+        before = waiting.snapshot()
+        assert (before["events_processed"], before["events_queued"]) == (0, len(events))
+        assert before["model"]["source"] == "loading" and before["horizons_s"] is None
+        assert "predictor  model loading  events 0" in format_predictor(before)[0]
+        assert waiting.session("a") is None
+        await waiting.load()
+        await handled(waiting, len(events))
+        with pytest.raises(StopAsyncIteration):
+            await anext(lifecycle)
+
+    asyncio.run(scenario())
+    for name in ("a", "b"):
+        expected = from_the_start.session(name)
+        got = waiting.session(name)
+        assert expected is not None and got is not None
+        assert got["forecast"]["at"] == expected["forecast"]["at"]
+        assert got["forecast"]["p_return"] == pytest.approx(expected["forecast"]["p_return"])
+    assert waiting.snapshot()["quality"] == from_the_start.snapshot()["quality"]
+    assert waiting.snapshot()["model"]["source"] == "prior"
+
+
+def test_a_model_the_host_cannot_load_leaves_the_service_serving_without_one(
+    tmp_path: Path, make_store: Callable[..., TieredStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No file descriptor left as the daemon starts: torch cannot even be imported.
+    The service says so and goes on without a model (its queue fills, then drops);
+    nothing is saved over the model file at shutdown."""
+
+    def out_of_descriptors(*_: object) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(service_module, "load_model", out_of_descriptors)
+    service = PredictorService(PredictorConfig(queue_size=2, tick_s=0.05), tmp_path)
+    make_store(service)
+
+    async def scenario() -> None:
+        async with running(service):
+            assert [service.submit(started("a", T0 + i)) for i in range(3)] == [True, True, False]
+            await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    snapshot = service.snapshot()
+    assert snapshot["model"]["source"] == "unavailable" and service.model is None
+    assert (snapshot["events_processed"], snapshot["events_dropped"]) == (0, 1)
+    assert service.session("a") is None and not (tmp_path / MODEL_FILE).exists()
 
 
 def test_a_full_queue_drops_and_counts(tmp_path: Path) -> None:

@@ -1,13 +1,16 @@
-"""The daemon over time, each on a private ``kvstore serve`` subprocess: leases that
-expire and give their blocks back to eviction, SIGTERM with a request in flight,
-SIGKILL in the middle of a put burst, SIGHUP reloading the token and lease TTL, and
-readiness following a tier that goes away and comes back."""
+"""The daemon over time, each on a private ``kvstore serve`` subprocess: a start that
+listens before torch is imported, leases that expire and give their blocks back to
+eviction, SIGTERM with a request in flight, SIGKILL in the middle of a put burst,
+SIGHUP reloading the token and lease TTL, and readiness following a tier that goes
+away and comes back."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +58,43 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+# The daemon's own start, in an interpreter of its own (pytest's has imported torch).
+START_THEN_LOAD = """
+import asyncio, sys
+from kvstore.server.config import ServiceConfig
+from kvstore.server.run import Server
+from kvstore.server.state import PREDICTOR
+
+async def main() -> None:
+    server = Server(ServiceConfig.load(sys.argv[1]))
+    await server.startup()
+    print("torch imported:", "torch" in sys.modules)
+    predictor = server.app[PREDICTOR]
+    while predictor.model is None:
+        await asyncio.sleep(0.01)
+    print("model from", predictor.source, "torch imported:", "torch" in sys.modules)
+    await server.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def test_the_daemon_listens_before_it_imports_torch(daemon_factory: Factory) -> None:
+    """Importing torch takes most of a second, so a restart does not wait for it: the
+    store opens and the sockets listen with no torch imported, and the predictor's
+    model, a torch module, is loaded after."""
+    instance = daemon_factory(start=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    argv = [sys.executable, "-c", START_THEN_LOAD, str(instance.config_path)]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"kvstore: listening on unix://{instance.socket_path}",
+        "torch imported: False",
+        "model from prior torch imported: True",
+    ]
 
 
 def test_an_unreleased_lease_expires_and_its_blocks_become_evictable(
