@@ -23,9 +23,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-import httpx
-
-from kvstore.cli.daemon_stats import fetch_stats, format_stats
 from kvstore.config import TOKEN_VARIABLE
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.predictor.replay import commands as replay_commands
@@ -73,6 +70,11 @@ def _serve(config_path: str | None) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    # Here, not at the top: ``serve`` would spend tens of milliseconds importing httpx.
+    import httpx
+
+    from kvstore.cli.daemon_stats import fetch_stats, format_stats
+
     url = args.url
     if url is None:
         try:
