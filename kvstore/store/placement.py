@@ -508,9 +508,14 @@ class Placement:
 
         Only headers are read. A header that does not parse or does not match
         the key it is stored under is deleted and counted as corrupt; payloads
-        are verified when read, as always.
+        are verified when read, as always. A server-owned shared tier is not
+        scanned: it holds every host's blocks (a scan of a cluster's millions of
+        keys would hold up the start for minutes), its servers evict them behind
+        our back, and a lookup asks it about any key the index does not know.
         """
         for kind in self.order:
+            if kind in self.server_owned:
+                continue
             infos = self.tiers[kind].scan()
             for info in infos or ():
                 try:
