@@ -115,6 +115,10 @@ class CostMeter:
         """Leading chunks worth loading (as ``TieredStore.lookup`` answers)."""
         return self.costs.load_run(tiers, self.chunk_tokens, self.kv_bytes_per_token)
 
+    def chunk_load_seconds(self, kind: TierKind) -> float:
+        """Loading one chunk from tier ``kind``."""
+        return self._chunk_load_s[kind]
+
     def request(self, loaded: Sequence[TierKind], recomputed_tokens: int) -> RequestCost:
         return RequestCost(
             load_s=sum(self._chunk_load_s[kind] for kind in loaded),

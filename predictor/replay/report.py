@@ -7,6 +7,7 @@ The JSON (``kvstore replay --json``)::
                          "ttft_p50", "ttft_p99", "ttft_p50_human", "ttft_p99_human",
                          "ttft_p50_tool", "ttft_p99_tool", "hit_rate",
                          "hit_rate_by_tier": {"hbm": ..}, "hbm_gb_hours_idle",
+                         "load_seconds_by_turn": {"human": {"ssd": ..}, "tool": {..}},
                          "bytes_moved": {"dram": {"read", "written"}, ..},
                          "prefetches_used", "prefetches_wasted",
                          "auc": {"60": ..}, "brier": {..}, "auc_human": {..},
@@ -69,6 +70,10 @@ def policy_summary(result: PolicyResult) -> dict[str, Any]:
         "recomputed_tokens": result.recomputed_tokens,
         "gpu_seconds": result.gpu_seconds,
         "load_seconds": result.load_seconds,
+        "load_seconds_by_turn": {
+            turn: {kind.label: seconds for kind, seconds in sorted(by_tier.items())}
+            for turn, by_tier in sorted(result.load_seconds_by_turn.items())
+        },
         "writeback_seconds": result.writeback_seconds,
         "queue_seconds": result.queue_seconds,
         "admission_wait_seconds": result.admission_wait_seconds,

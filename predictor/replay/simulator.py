@@ -152,6 +152,9 @@ class PolicyResult:
     recomputed_tokens: int = 0
     gpu_seconds: float = 0.0
     load_seconds: float = 0.0
+    load_seconds_by_turn: dict[str, dict[TierKind, float]] = field(default_factory=dict)
+    """``load_seconds`` by who ended the idle time ("human", "tool") and the source tier:
+    where the GPU-seconds placement can still save are."""
     writeback_seconds: float = 0.0
     queue_seconds: float = 0.0
     admission_wait_seconds: float = 0.0
@@ -646,15 +649,17 @@ class _Run:
         result.prompt_tokens += request.call.prompt_tokens
         result.hit_tokens += request.hit_tokens
         result.recomputed_tokens += request.recomputed_tokens
+        human = request.call.trigger is Trigger.USER
+        by_tier = result.load_seconds_by_turn.setdefault("human" if human else "tool", {})
         for kind in tiers:
             result.hit_tokens_by_tier[kind] = result.hit_tokens_by_tier.get(kind, 0) + chunk_tokens
+            by_tier[kind] = by_tier.get(kind, 0.0) + self.meter.chunk_load_seconds(kind)
         result.gpu_seconds += cost.gpu_s
         result.load_seconds += cost.load_s
         result.writeback_seconds += cost.writeback_s
         result.queue_seconds += cost.queue_s
         result.admission_wait_seconds += cost.admission_wait_s
         result.ttft_s.append(cost.ttft_s)
-        human = request.call.trigger is Trigger.USER
         (result.ttft_human_s if human else result.ttft_tool_s).append(cost.ttft_s)
         if human:
             result.service_human_s.append(cost.gpu_s)

@@ -112,6 +112,11 @@ def test_every_prompt_token_is_a_hit_or_recomputed(results) -> None:
         assert run.gpu_seconds == pytest.approx(
             run.load_seconds + run.writeback_seconds + run.recomputed_tokens / 17_500.0
         )
+        by_turn = run.load_seconds_by_turn
+        assert sum(sum(tiers.values()) for tiers in by_turn.values()) == pytest.approx(
+            run.load_seconds
+        )
+        assert set(by_turn) <= {"human", "tool"}
         assert run.prefetches.used + run.prefetches.wasted <= run.prefetches.issued
 
 
