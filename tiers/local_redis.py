@@ -10,9 +10,11 @@ survive anyway) and dies with the process that started it
 * ``RedisServer``: one standalone server. ``stop()`` and ``start()`` again on
   the same port, so a caller can take Redis away and bring it back;
   ``pause()`` leaves the port open with nobody answering (a hung server).
-* ``RedisCluster``: masters (three by default), no replicas, joined with
-  ``redis-cli --cluster create``; slots can be migrated to exercise ``ASK``
-  and ``MOVED``.
+* ``RedisCluster``: masters (three by default), each with replicas or none
+  (the default), joined with ``redis-cli --cluster create``, on the loopback
+  or on an address that other network namespaces reach; a master can be
+  killed for its replica to take over (``fail_over``), and slots migrated to
+  exercise ``ASK`` and ``MOVED``.
 
 Either may be secured: ``password`` starts it with ``--requirepass`` (and
 ``--masterauth`` in a cluster), ``tls`` (a ``ServerTLS``) serves TLS only
@@ -104,25 +106,28 @@ def _reply(sock: socket.socket) -> bytes:
 
 
 @contextlib.contextmanager
-def _connect(port: int, timeout_s: float, tls: ServerTLS | None) -> Iterator[socket.socket]:
-    with socket.create_connection((HOST, port), timeout=timeout_s) as sock:
+def _connect(
+    host: str, port: int, timeout_s: float, tls: ServerTLS | None
+) -> Iterator[socket.socket]:
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
         if tls is None:
             yield sock
             return
-        with tls.client_context().wrap_socket(sock, server_hostname=HOST) as secure:
+        with tls.client_context().wrap_socket(sock, server_hostname=host) as secure:
             yield secure
 
 
 def resp_command(
     port: int,
     *args: str | bytes,
+    host: str = HOST,
     timeout_s: float = 1.0,
     password: str | None = None,
     tls: ServerTLS | None = None,
 ) -> bytes:
     """Send one command over a raw socket (``AUTH password`` first, if given); return
     the raw reply (simple, error, integer, bulk), or ``AUTH``'s if it was refused."""
-    with _connect(port, timeout_s, tls) as sock:
+    with _connect(host, port, timeout_s, tls) as sock:
         if password is not None:
             sock.sendall(_encode("AUTH", password))
             login = _reply(sock)
@@ -144,7 +149,8 @@ def _complete(reply: bytes) -> bool:
 
 
 class RedisServer:
-    """One ``redis-server`` on a loopback port, restartable on the same port.
+    """One ``redis-server`` on a loopback port (or on ``host``, an address of this
+    machine), restartable on the same port.
 
     Persistence is off (``--save ''``, ``--appendonly no``): a restart comes back
     empty, which is what a cache tier must survive anyway.
@@ -155,6 +161,7 @@ class RedisServer:
         directory: Path | None = None,
         *,
         port: int | None = None,
+        host: str = HOST,
         extra_args: Sequence[str] = (),
         password: str | None = None,
         tls: ServerTLS | None = None,
@@ -169,6 +176,7 @@ class RedisServer:
         if port is None:
             port = free_port(cluster_bus="--cluster-enabled" in extra_args)
         self.port = port
+        self.host = host
         self.extra_args = list(extra_args)
         self.password = password
         self.tls = tls
@@ -178,7 +186,7 @@ class RedisServer:
     def url(self) -> str:
         """``redis://`` (``rediss://`` under TLS) without credentials."""
         scheme = "redis" if self.tls is None else "rediss"
-        return f"{scheme}://{HOST}:{self.port}/0"
+        return f"{scheme}://{self.host}:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -194,7 +202,10 @@ class RedisServer:
         argv = [
             REDIS_SERVER,
             *listen,
-            "--bind", HOST,
+            "--bind", self.host,
+            # Protected mode refuses every client but the loopback's when there is no
+            # password; bound to one private address, the bind is the protection.
+            "--protected-mode", "no",
             "--save", "",
             "--appendonly", "no",
             "--daemonize", "no",
@@ -247,7 +258,7 @@ class RedisServer:
 
     def command(self, *args: str | bytes) -> bytes:
         """Raw RESP reply of one command (for test set-up: FLUSHALL, CONFIG SET...)."""
-        return resp_command(self.port, *args, password=self.password, tls=self.tls)
+        return resp_command(self.port, *args, host=self.host, password=self.password, tls=self.tls)
 
     def flushall(self) -> None:
         reply = self.command("FLUSHALL")
@@ -277,14 +288,62 @@ class RedisServer:
         self.close()
 
 
+@dataclass(frozen=True, slots=True)
+class NodeRole:
+    """What a cluster node says of itself (its ``myself`` line of ``CLUSTER NODES``).
+
+    ``master_id``: the master a replica copies (``None`` for a master); ``slots``: the
+    ranges a master owns, without the ones it is migrating or importing."""
+
+    node_id: str
+    master_id: str | None
+    slots: tuple[tuple[int, int], ...]
+
+    @property
+    def is_master(self) -> bool:
+        return self.master_id is None
+
+    @classmethod
+    def parse(cls, nodes_text: str) -> NodeRole:
+        for line in nodes_text.splitlines():
+            fields = line.split()
+            if len(fields) > 7 and "myself" in fields[2].split(","):
+                ranges = []
+                for item in fields[8:]:
+                    if item.startswith("["):  # a slot being migrated, not owned
+                        continue
+                    lo, _, hi = item.partition("-")
+                    ranges.append((int(lo), int(hi or lo)))
+                replica = "slave" in fields[2].split(",")
+                return cls(fields[0], fields[3] if replica else None, tuple(ranges))
+        raise TierUnavailable("redis", f"no myself line in CLUSTER NODES: {nodes_text!r}")
+
+
 class RedisCluster:
-    """Three cluster-enabled masters, no replicas, slots spread by ``redis-cli``."""
+    """``masters`` cluster-enabled masters (three by default), each with ``replicas``
+    replicas (none by default), slots spread by ``redis-cli --cluster create``.
+
+    Every node binds ``host`` and announces it (``--cluster-announce-ip``), so that
+    what ``CLUSTER SLOTS`` and ``MOVED`` tell clients is an address they can reach:
+    the loopback by default, a bridge's address for clients in other network
+    namespaces. ``node_timeout_ms`` is ``cluster-node-timeout``: how long a master
+    may be silent before it is failed and a replica takes over. ``extra_args`` go
+    to every node (``--maxmemory``, ``--cluster-require-full-coverage no``).
+
+    Which node is a master is the cluster's to say, not the list's: after
+    ``fail_over`` a replica is one, and the old master, started again, rejoins
+    as its replica. ``masters()`` and ``replica_of()`` ask the nodes.
+    """
 
     def __init__(
         self,
         directory: Path | None = None,
         *,
         masters: int = 3,
+        replicas: int = 0,
+        host: str = HOST,
+        node_timeout_ms: int = 15000,
+        extra_args: Sequence[str] = (),
         password: str | None = None,
         tls: ServerTLS | None = None,
     ) -> None:
@@ -294,6 +353,9 @@ class RedisCluster:
         if directory is None:
             directory = Path(tempfile.mkdtemp(prefix="kvs-cluster-"))
         self.directory = directory
+        self.host = host
+        self.replicas = replicas
+        self._master_count = masters
         self.nodes: list[RedisServer] = []
         self.password = password
         self.tls = tls
@@ -301,25 +363,27 @@ class RedisCluster:
         secured = [] if password is None else ["--masterauth", password]
         if tls is not None:
             secured += ["--tls-cluster", "yes", "--tls-replication", "yes"]
-        for index in range(masters):
-            node_dir = self.directory / f"node{index}"
+        for index in range(masters * (1 + replicas)):
             port = free_port(cluster_bus=True)
+            node_args = [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{port}.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-announce-ip", host,
+                # A replica's first sync starts at once, not after the default 5 s.
+                "--repl-diskless-sync-delay", "0",
+                *secured,
+                *extra_args,
+            ]  # fmt: skip
             self.nodes.append(
                 RedisServer(
-                    node_dir,
+                    self.directory / f"node{index}",
                     port=port,
-                    extra_args=(
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        f"nodes-{port}.conf",
-                        "--cluster-node-timeout",
-                        "15000",
-                        *secured,
-                    ),
+                    host=host,
+                    extra_args=node_args,
                     password=password,
                     tls=tls,
-                )  # fmt: skip
+                )
             )
 
     @property
@@ -328,81 +392,115 @@ class RedisCluster:
 
     @property
     def startup_nodes(self) -> list[str]:
-        """``host:port`` of every master, as ``RedisTier(..., cluster=True)`` takes them."""
-        return [f"{HOST}:{port}" for port in self.ports]
+        """``host:port`` of every node, as ``RedisTier(..., cluster=True)`` takes them."""
+        return [f"{self.host}:{port}" for port in self.ports]
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Start every stopped node; join them on the first start; wait for ``cluster_state:ok``.
+        """Start every stopped node; join them on the first start; wait until every
+        node says ``cluster_state:ok`` and knows them all, and every replica is in sync.
 
-        A node restarted later rejoins from its ``nodes-<port>.conf`` with the
-        same slots (empty: there is no persistence).
+        A node restarted later rejoins from its ``nodes-<port>.conf`` (empty: there
+        is no persistence): a master with the same slots, or, if its replica took
+        over meanwhile, as that replica's replica.
         """
-        assert REDIS_CLI is not None
         for node in self.nodes:
             node.start()
         if not self._created:
-            cli_env = dict(os.environ)
-            if self.password is not None:
-                cli_env["REDISCLI_AUTH"] = self.password  # not on the command line
-            subprocess.run(
-                [
-                    REDIS_CLI, *([] if self.tls is None else self.tls.cli_args()),
-                    "--cluster", "create",
-                    *self.startup_nodes,
-                    "--cluster-replicas", "0", "--cluster-yes",
-                ],
-                check=True,
-                capture_output=True,
-                timeout=timeout_s,
-                env=cli_env,
+            self._cli(
+                "create", *self.startup_nodes,
+                "--cluster-replicas", str(self.replicas), "--cluster-yes",
+                timeout_s=timeout_s,
             )  # fmt: skip
             self._created = True
-        deadline = time.monotonic() + timeout_s
-        pending = list(self.nodes)
-        while pending:
-            if time.monotonic() > deadline:
-                raise TierUnavailable("redis", "the cluster did not reach cluster_state:ok")
-            pending = [node for node in pending if b"cluster_state:ok" not in self._info(node)]
-            if pending:
-                time.sleep(0.05)
+        self._wait("the cluster did not settle", self._settled, timeout_s)
+
+    def _cli(self, command: str, *args: str, timeout_s: float) -> None:
+        """``redis-cli --cluster command args``, logged in and speaking TLS as the nodes do."""
+        assert REDIS_CLI is not None
+        cli_env = dict(os.environ)
+        if self.password is not None:
+            cli_env["REDISCLI_AUTH"] = self.password  # not on the command line
+        tls = [] if self.tls is None else self.tls.cli_args()
+        subprocess.run(
+            [REDIS_CLI, *tls, "--cluster", command, *args],
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+            env=cli_env,
+        )
 
     @staticmethod
-    def _info(node: RedisServer) -> bytes:
+    def _wait(what: str, done: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TierUnavailable("redis", what)
+            time.sleep(0.05)
+
+    def _settled(self) -> bool:
+        known = f"cluster_known_nodes:{len(self.nodes)}\r\n".encode()
+        for node in self.nodes:
+            info = self._ask(node, "CLUSTER", "INFO")
+            if b"cluster_state:ok" not in info or known not in info:
+                return False
+        replicas = [node for node in self.nodes if not self.role(node).is_master]
+        return len(replicas) == self._master_count * self.replicas and all(
+            b"master_link_status:up" in self._ask(node, "INFO", "replication") for node in replicas
+        )
+
+    @staticmethod
+    def _ask(node: RedisServer, *args: str) -> bytes:
+        """A node's reply, or nothing if it does not answer (yet)."""
         with contextlib.suppress(OSError):
-            return node.command("CLUSTER", "INFO")
+            return node.command(*args)
         return b""
+
+    def _running(self) -> list[RedisServer]:
+        return [node for node in self.nodes if node.running]
+
+    def role(self, node: RedisServer) -> NodeRole:
+        """What ``node`` says it is: master or replica (of which), and its slots."""
+        return NodeRole.parse(node.command("CLUSTER", "NODES").decode())
+
+    def masters(self) -> list[RedisServer]:
+        """The running nodes that are masters now."""
+        return [node for node in self._running() if self.role(node).is_master]
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        """A running replica of ``master``."""
+        master_id = self.role(master).node_id
+        return next(n for n in self._running() if self.role(n).master_id == master_id)
+
+    def fail_over(self, master: RedisServer, timeout_s: float = 30.0) -> RedisServer:
+        """SIGKILL ``master``; wait until its replica has taken over and every running
+        node says ``cluster_state:ok``; the promoted replica."""
+        replica = self.replica_of(master)
+        master.kill()
+
+        def promoted() -> bool:
+            return self.role(replica).is_master and all(
+                b"cluster_state:ok" in self._ask(node, "CLUSTER", "INFO")
+                for node in self._running()
+            )
+
+        self._wait(f"no replica took over from port {master.port}", promoted, timeout_s)
+        return replica
 
     def keyslot(self, key: bytes) -> int:
         """The slot of ``key``, as the cluster computes it (``CLUSTER KEYSLOT``)."""
-        reply = self.nodes[0].command("CLUSTER", "KEYSLOT", key)
+        reply = self._running()[0].command("CLUSTER", "KEYSLOT", key)
         assert reply.startswith(b":"), reply
         return int(reply[1:].strip())
 
     def port_for_key(self, key: bytes) -> int:
         """Port of the master that owns ``key``'s slot, from each node's ``CLUSTER NODES``."""
-        return self._owner_port(self.keyslot(key))
+        return self._owner(self.keyslot(key)).port
 
-    def _owner_port(self, slot: int) -> int:
-        for node in self.nodes:
-            for lo, hi in self._own_slots(node):
-                if lo <= slot <= hi:
-                    return node.port
+    def _owner(self, slot: int) -> RedisServer:
+        for node in self.masters():
+            if any(lo <= slot <= hi for lo, hi in self.role(node).slots):
+                return node
         raise LookupError(f"slot {slot} is not served")
-
-    @staticmethod
-    def _own_slots(node: RedisServer) -> list[tuple[int, int]]:
-        text = node.command("CLUSTER", "NODES").decode()
-        for line in text.splitlines():
-            fields = line.split()
-            if len(fields) > 2 and "myself" in fields[2]:
-                ranges = []
-                for item in fields[8:]:
-                    if item.startswith("["):  # a slot being migrated, not owned
-                        continue
-                    lo, _, hi = item.partition("-")
-                    ranges.append((int(lo), int(hi or lo)))
-                return ranges
-        return []
 
     @staticmethod
     def node_id(node: RedisServer) -> str:
@@ -415,13 +513,13 @@ class RedisCluster:
         the old owner answers ``ASK``. Call the returned function to finish the
         move (``CLUSTER SETSLOT NODE`` everywhere); from then on ``MOVED``.
         """
-        source = next(n for n in self.nodes if n.port == self._owner_port(slot))
+        source = self._owner(slot)
         target = next(n for n in self.nodes if n.port == to_port)
         source_id, target_id = self.node_id(source), self.node_id(target)
         steps: list[tuple[RedisServer, tuple[str | bytes, ...]]] = [
             (target, ("CLUSTER", "SETSLOT", str(slot), "IMPORTING", source_id)),
             (source, ("CLUSTER", "SETSLOT", str(slot), "MIGRATING", target_id)),
-            (source, ("MIGRATE", HOST, str(target.port), "", "0", "5000", "KEYS", *keys)),
+            (source, ("MIGRATE", self.host, str(target.port), "", "0", "5000", "KEYS", *keys)),
         ]
         for node, args in steps:
             reply = node.command(*args)
@@ -429,13 +527,27 @@ class RedisCluster:
                 raise TierUnavailable("redis", f"{args[:3]} failed: {reply!r}")
 
         def finish() -> None:
-            for node in self.nodes:
+            for node in self.masters():
                 node.command("CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
 
         return finish
 
+    def reshard(
+        self, source: RedisServer, target: RedisServer, slots: int, timeout_s: float = 60.0
+    ) -> None:
+        """Move ``slots`` of ``source``'s slots, with their keys, to master ``target``
+        (``redis-cli --cluster reshard``: slot by slot, ``ASK`` while a slot's keys
+        move, ``MOVED`` after)."""
+        self._cli(
+            "reshard", f"{self.host}:{source.port}",
+            "--cluster-from", self.node_id(source), "--cluster-to", self.node_id(target),
+            "--cluster-slots", str(slots), "--cluster-yes",
+            timeout_s=timeout_s,
+        )  # fmt: skip
+
     def flushall(self) -> None:
-        for node in self.nodes:
+        """Empty every master (replicas follow; they refuse ``FLUSHALL`` themselves)."""
+        for node in self.masters():
             node.flushall()
 
     def stop(self) -> None:
