@@ -16,8 +16,15 @@ Fixtures (registered in ``tests/conftest.py``):
                     private daemon (small DRAM, short leases, stop/kill/restart);
                     every daemon it made is stopped after the test.
 
+``launcher`` is an argv prefix the daemon is started under: ``ip netns exec
+NAME`` (``support.netns.Host.launcher``) runs it in a network namespace of its
+own. ``ip netns exec`` execs the command in place, so ``proc`` is the daemon
+itself and signals reach it; its Unix socket is a path, not namespaced, so
+the health check and every client here reach it as usual.
+
 ``Daemon`` exposes ``socket_path``, ``url`` (``unix://...``), ``tcp_url``,
-``token``, ``proc``, ``data_dir``, ``config_path``; ``start()``,
+``token``, ``proc``, ``data_dir``, ``config_path``; ``start()`` (``launch()``
+then ``wait_ready()``; ``start_all(daemons)`` starts several at once),
 ``stop(signal) -> exit code``, ``kill()`` (SIGKILL), ``restart()``; and
 ``client()`` / ``tcp_client(token=...)``: httpx clients to close after use.
 
@@ -38,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +95,10 @@ class Daemon:
         daemon: Mapping[str, Any] | None = None,
         tcp: bool = False,
         token: str | None = AUTO_TOKEN,
+        launcher: Sequence[str] = (),
     ) -> None:
         self.data_dir = data_dir
+        self.launcher = list(launcher)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # Unix socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
         self.socket_path = Path((daemon or {}).get("socket_path", socket_dir / "kvstore.sock"))
@@ -137,11 +146,27 @@ class Daemon:
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Start ``python -m kvstore serve`` and wait until ``/healthz`` answers."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (``wait_ready`` does).
+
+        Call it from a thread that outlives the daemon: the kernel's
+        ``PR_SET_PDEATHSIG`` fires when the *thread* that started a child exits,
+        so a daemon launched from a pool's worker is stopped with that worker.
+        ``start_all`` below launches several on this thread, then waits for all."""
         if self.running:
             return
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        argv = [sys.executable, "-m", "kvstore", "serve", "--config", str(self.config_path)]
+        argv = [*self.launcher, sys.executable, "-m", "kvstore", "serve"]
+        argv += ["--config", str(self.config_path)]
         self.proc = spawn(argv, self.log_path, env=env)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until ``/healthz`` answers; raise ``DaemonStartError`` if it exits first
+        or stays silent for ``timeout_s``."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.proc.poll()
@@ -228,6 +253,15 @@ class Daemon:
         return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
 
 
+def start_all(daemons: Sequence[Daemon], timeout_s: float = 30.0) -> None:
+    """Start several daemons at once: each spends seconds importing, so they are all
+    launched before any is waited for."""
+    for daemon in daemons:
+        daemon.launch()
+    for daemon in daemons:
+        daemon.wait_ready(timeout_s)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -238,7 +272,9 @@ def _toml_value(value: Any) -> str:
 
 
 @contextlib.contextmanager
-def _socket_dir() -> Iterator[Path]:
+def socket_dir() -> Iterator[Path]:
+    """A short private directory for daemons' sockets (Unix socket paths are limited to
+    ~100 bytes), removed on exit."""
     path = Path(tempfile.mkdtemp(prefix="kvs-sock-", dir="/tmp"))
     try:
         yield path
@@ -253,8 +289,8 @@ def _socket_dir() -> Iterator[Path]:
 def running_daemon(data_dir: Path, **options: Any) -> Iterator[Daemon]:
     """A started ``Daemon`` over ``data_dir`` (its socket in a short private
     directory: Unix socket paths are limited to ~100 bytes), closed on exit."""
-    with _socket_dir() as socket_dir:
-        started = Daemon(data_dir, socket_dir, **options)
+    with socket_dir() as sockets:
+        started = Daemon(data_dir, sockets, **options)
         try:
             started.start()
             yield started
@@ -278,7 +314,7 @@ def daemon(_shared_daemon: Daemon) -> Daemon:
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     made: list[Daemon] = []
-    with _socket_dir() as socket_dir:
+    with socket_dir() as sockets:
 
         def make(
             config_text: str | None = None,
@@ -291,7 +327,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
             index = len(made)
             instance = Daemon(
                 tmp_path / f"daemon{index}",
-                socket_dir / str(index),
+                sockets / str(index),
                 config_text=config_text,
                 daemon=daemon,
                 tcp=tcp,
