@@ -1,6 +1,7 @@
 """Shared fixtures. Real backends only: LMDB in a temp dir, redis-server processes
 started on free loopback ports (see ``support/redis_servers.py``), ``kvstore serve``
-daemons as subprocesses (see ``support/daemon.py``)."""
+daemons as subprocesses (see ``support/daemon.py``), hosts as network namespaces
+(see ``support/netns.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from support.daemon import (  # noqa: F401  (fixtures, registered by import)
 )
 from support.http_kv import client, ns  # noqa: F401  (fixtures of the route tests)
 from support.kv import two_level  # noqa: F401  (a DRAM + LMDB store)
+from support.netns import netns_network  # noqa: F401  (a fixture, registered by import)
 from support.redis_servers import (  # noqa: F401  (fixtures, registered by import)
     _secure_cluster,
     clean_redis,
