@@ -558,3 +558,20 @@ class RedisCluster:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        """Started; closed again if it fails to start (some nodes may be running)."""
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -45,7 +45,7 @@ CLUSTER_PASSWORD = "cluster-secret"
 OPENSSL = shutil.which("openssl")
 
 
-def _require_redis() -> None:
+def require_redis() -> None:
     # A failure, not a skip: the Redis tests are the Redis tier's only proof, and a
     # machine without redis-server must not pass them silently.
     if REDIS_SERVER is None or REDIS_CLI is None:
@@ -55,7 +55,7 @@ def _require_redis() -> None:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One standalone server for the whole session; prefer ``clean_redis`` in tests."""
-    _require_redis()
+    require_redis()
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     try:
         server.start()
@@ -77,7 +77,7 @@ def redis_server_factory(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., RedisServer]]:
     """``make(*extra_args)``: a private, started server, stopped after the test."""
-    _require_redis()
+    require_redis()
     made: list[RedisServer] = []
 
     def make(
@@ -103,13 +103,9 @@ def redis_server_factory(
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     """Three masters for the whole session; prefer ``clean_redis_cluster`` in tests."""
-    _require_redis()
-    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        cluster.start()
+    require_redis()
+    with RedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture
@@ -196,17 +192,13 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
 def _secure_cluster(
     tmp_path_factory: pytest.TempPathFactory, tls_files: TLSFiles
 ) -> Iterator[RedisCluster]:
-    _require_redis()
-    cluster = RedisCluster(
+    require_redis()
+    with RedisCluster(
         tmp_path_factory.mktemp("redis-secure-cluster"),
         password=CLUSTER_PASSWORD,
         tls=tls_files.server(),
-    )
-    try:
-        cluster.start()
+    ) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture
