@@ -12,8 +12,8 @@ Fixtures (registered in ``tests/conftest.py``):
                     persists between tests: use a namespace of your own
                     (``kv.namespace(salt=request.node.name)``).
 ``daemon_factory``  function-scoped ``make(config_text=None, *, daemon=None,
-                    tcp=False, token=AUTO_TOKEN, start=True) -> Daemon`` for a
-                    private daemon (small DRAM, short leases, stop/kill/restart);
+                    tcp=False, token=AUTO_TOKEN, launcher=(), start=True) -> Daemon``
+                    for a private daemon (small DRAM, short leases, stop/kill/restart);
                     every daemon it made is stopped after the test.
 
 ``launcher`` is an argv prefix the daemon is started under: ``ip netns exec
@@ -322,6 +322,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
             daemon: Mapping[str, Any] | None = None,
             tcp: bool = False,
             token: str | None = AUTO_TOKEN,
+            launcher: Sequence[str] = (),
             start: bool = True,
         ) -> Daemon:
             index = len(made)
@@ -332,6 +333,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
                 daemon=daemon,
                 tcp=tcp,
                 token=token,
+                launcher=launcher,
             )
             instance.socket_path.parent.mkdir(mode=0o700, exist_ok=True)
             made.append(instance)
