@@ -67,15 +67,6 @@ def _assert_never_wrong(reads: list[Read]) -> None:
     assert not any(read.raised for read in reads)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the Redis tier never uses the promoted replica: once a master's breaker opens, "
-        "its share of each batch is answered from the stale slot map without a round "
-        "trip and its probe PINGs the dead address, so nothing refreshes the slot map "
-        "and the master's keys stay misses until that address answers again"
-    ),
-)
 def test_a_master_killed_under_load_costs_its_keys_misses_never_a_wrong_block(
     own_hosts: list[Daemon], shared_cluster: RedisCluster, namespace: Namespace
 ) -> None:

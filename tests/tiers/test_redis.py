@@ -405,6 +405,46 @@ def test_cluster_batch_degrades_per_master(
 
 
 @pytest.mark.cluster
+def test_cluster_serves_a_dead_masters_slots_from_its_promoted_replica(
+    tmp_path, make_tier: MakeTier
+) -> None:
+    """A master's breaker, open since it died, must find its replica promoted: the
+    probe reads the slot map again, and the keys it held (replicated before the kill)
+    are served by their new master. Without that nothing would send a batch there to
+    be answered MOVED, and the keys would stay misses until the dead address came back."""
+    with RedisCluster(
+        tmp_path / "cluster",
+        replicas=1,
+        node_timeout_ms=1000,
+        extra_args=("--cluster-require-full-coverage", "no"),
+    ) as cluster:  # fmt: skip
+        tier = make_tier(
+            cluster.startup_nodes,
+            cluster=True,
+            socket_timeout_s=TIMEOUT_S,
+            connect_timeout_s=TIMEOUT_S,
+        )
+        items = make_blocks(NS, 30, seed=6)
+        keys = [key for key, _ in items]
+        tier.put_many(NS.digest, items)
+        victim = cluster.masters()[0]
+        held = [cluster.port_for_key(redis_key(NS, k)) == victim.port for k in keys]
+        assert any(held)
+        victim.command("WAIT", "1", "5000")  # replicated before the kill
+        killed = time.monotonic()
+        cluster.fail_over(victim)
+        first = tier.get_many(NS.digest, keys)  # the dead address fails: its breaker opens
+        expected = [b.to_bytes() for _, b in items]
+        assert all(v is None or bytes(v) == e for v, e in zip(first, expected, strict=True))
+        assert all(v is not None for v, gone in zip(first, held, strict=True) if not gone)
+        deadline = killed + 30
+        while [None if v is None else bytes(v) for v in tier.get_many(NS.digest, keys)] != expected:
+            assert time.monotonic() < deadline, "the promoted replica's keys never came back"
+            time.sleep(0.1)
+        assert tier.contains_many(NS.digest, keys) == [True] * len(keys)
+
+
+@pytest.mark.cluster
 def test_cluster_follows_ask_and_moved_during_resharding(
     clean_redis_cluster: RedisCluster, make_tier: MakeTier
 ) -> None:
