@@ -82,7 +82,9 @@ def spawn(
     env: Mapping[str, str] | None = None,
     new_session: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start a child with its output appended to ``log_path``; it dies with this process.
+    """Start a child with its output appended to ``log_path``; it dies with the thread
+    that started it (``PR_SET_PDEATHSIG`` follows the thread, not the process: start
+    children that must outlive a worker thread from a thread that stays).
 
     ``new_session``: in a session of its own, so a Ctrl-C at the terminal reaches
     only the parent, which then stops the child in order."""
