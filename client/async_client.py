@@ -218,4 +218,3 @@ async def _pieces(body: PutBody) -> AsyncIterator[bytes | memoryview]:
     is hashed as it is reached, on the loop, as the whole batch was before)."""
     for piece in body:
         yield piece
-

@@ -35,7 +35,6 @@ from kvstore.wire.codes import exception_from_body
 DAEMON = "daemon"
 
 
-
 @dataclass
 class ClientStats:
     """Counts since the client was created; mutated by ``ClientProtocol`` under its lock.

@@ -371,9 +371,14 @@ class ClientProtocol:
         cached_tokens: int,
         trigger: Trigger = Trigger.USER,
         time: float | None = None,
+        idle_since: float | None = None,
     ) -> Operation[None]:
-        """A request of ``session`` began (``kvstore.wire.events``); ``time`` defaults to now."""
-        event = RequestStarted(session, trigger, prompt_tokens, cached_tokens, _now(time))
+        """A request of ``session`` began (``kvstore.wire.events``); ``time`` defaults to now.
+        ``idle_since``: when its previous request finished, if that may have been on
+        another host (an engine that moves sessions between daemons knows)."""
+        event = RequestStarted(
+            session, trigger, prompt_tokens, cached_tokens, _now(time), idle_since=idle_since
+        )
         yield from self._report(event)
 
     def request_finished(

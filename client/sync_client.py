@@ -204,4 +204,3 @@ class _Delayed:
                 self._send(call)
             except Exception:  # never lose the thread, and with it every call queued
                 log.exception("%s %s (delayed) failed", call.method, call.path)
-

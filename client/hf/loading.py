@@ -61,7 +61,6 @@ from kvstore.store.chunk import ChunkData
 GET_BATCH_CHUNKS = 32
 
 
-
 @dataclass(slots=True)
 class LoadTiming:
     """Where one load's time went (seconds); owned by whoever ran the load."""

@@ -5,7 +5,8 @@ them, and the return-time predictor that learns from them; the daemon's
 token counters (``kvstore_client_tokens_total``) count them too. A client
 reports::
 
-    request_started   session, trigger (user | tool), prompt_tokens, cached_tokens
+    request_started   session, trigger (user | tool), prompt_tokens, cached_tokens,
+                      idle_since (optional)
     request_finished  session, steps, output_tokens, context_tokens, tool_running,
                       loaded_tokens, recomputed_tokens
 
@@ -19,6 +20,12 @@ chain of the session's latest put. ``session`` may be left out of an event
 that carries keys: the daemon then infers the session from the chain (a
 request whose keys extend an earlier request's keys continues its session),
 and the event's ``session`` reads ``UNNAMED``.
+
+``idle_since`` (Unix seconds, at most ``time`` and at most ``MAX_IDLE_S`` before it)
+says when the session's previous request finished, on whichever host ran it: a
+session an engine moved to this daemon from another keeps its last gap in its
+history, and an idle period that began here but ended on another host is not
+labelled here as if this daemon had seen its end (``learning.sessions``).
 
 Unknown fields are refused, so a typo in a client is a 400, not a silently
 missing feature. Events are advisory: a client drops one (and counts it)
@@ -44,6 +51,8 @@ MAX_EVENT_KEYS = 1 << 16
 UNNAMED = ""
 """``session`` of an event that named none: the daemon infers it from the event's keys."""
 _MAX_COUNT = 1 << 53  # JSON numbers stay exact below this
+MAX_IDLE_S = 30 * 86400.0
+"""How long before its request a session's ``idle_since`` may lie."""
 
 
 class EventKind(enum.Enum):
@@ -67,21 +76,22 @@ class RequestStarted:
     time: float
     namespace: bytes | None = None
     keys: tuple[ChunkKey, ...] = ()
+    idle_since: float | None = None
 
     kind = EventKind.REQUEST_STARTED
 
     def to_json(self) -> dict[str, Any]:
-        return _with_chain(
-            self,
-            {
-                "event": self.kind.value,
-                "session": self.session,
-                "trigger": self.trigger.value,
-                "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens,
-                "time": self.time,
-            },
-        )
+        body = {
+            "event": self.kind.value,
+            "session": self.session,
+            "trigger": self.trigger.value,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "time": self.time,
+        }
+        if self.idle_since is not None:
+            body["idle_since"] = self.idle_since
+        return _with_chain(self, body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +152,14 @@ _COUNTS = {
 }
 _CHAIN_FIELDS = {"namespace", "keys"}
 _OTHER_FIELDS = {
-    EventKind.REQUEST_STARTED: {"event", "session", "time", "trigger", *_CHAIN_FIELDS},
+    EventKind.REQUEST_STARTED: {
+        "event",
+        "session",
+        "time",
+        "trigger",
+        "idle_since",
+        *_CHAIN_FIELDS,
+    },
     EventKind.REQUEST_FINISHED: {"event", "session", "time", "tool_running", *_CHAIN_FIELDS},
 }
 
@@ -173,7 +190,10 @@ def parse_event(data: Any) -> SessionEvent:
             trigger = Trigger(data.get("trigger"))
         except ValueError:
             raise _bad("trigger must be 'user' or 'tool'") from None
-        return RequestStarted(trigger=trigger, namespace=namespace, keys=keys, **common)
+        idle_since = _idle_since(data.get("idle_since"), common["time"])
+        return RequestStarted(
+            trigger=trigger, namespace=namespace, keys=keys, idle_since=idle_since, **common
+        )
     tool_running = data.get("tool_running")
     if not isinstance(tool_running, bool):
         raise _bad("tool_running must be true or false")
@@ -210,6 +230,20 @@ def _time(value: Any) -> float:
         seconds = math.inf
     if not math.isfinite(seconds):
         raise _bad("time must be a finite number of Unix seconds")
+    return seconds
+
+
+def _idle_since(value: Any, started: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad("idle_since must be a finite number of Unix seconds")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds) or not started - MAX_IDLE_S <= seconds <= started:
+        raise _bad(f"idle_since must lie between {MAX_IDLE_S:g} s before the request's time and it")
     return seconds
 
 

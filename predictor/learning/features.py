@@ -98,9 +98,7 @@ def mean_log_human_gap(state: SessionState, now: float, tracker: SessionTracker)
     return [_mean_log(state.human_gaps)]
 
 
-def user_human_history(
-    state: SessionState, now: float, tracker: SessionTracker
-) -> list[float]:
+def user_human_history(state: SessionState, now: float, tracker: SessionTracker) -> list[float]:
     """Mean log human gap over the user's sessions, and 1 if there is none."""
     gaps = tracker.user_human_gaps(state.user)
     return [_mean_log(gaps), 0.0 if gaps else 1.0]

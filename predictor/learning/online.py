@@ -139,7 +139,9 @@ class OnlineLearner:
         self.tick(event.time)
         if isinstance(event, RequestStarted):
             state, gap = self.tracker.started(event, keys, namespace, user)
-            if gap is not None:
+            if state.resumed_elsewhere:
+                self.forget(state.session)  # its idle period here ended on another host
+            elif gap is not None:
                 self.on_return(state, gap)
             if state.requests == 1 and state.user is not None:
                 self._supersede(state, event.time)
@@ -249,9 +251,7 @@ class OnlineLearner:
             before = old.within(elapsed)
             rest = max(1.0 - before, 1e-9)
             conditional = [(old.within(elapsed + h) - before) / rest for h in old.horizons]
-            revised = ReturnForecast(
-                old.session, now, old.horizons, counts.scaled(conditional)
-            )
+            revised = ReturnForecast(old.session, now, old.horizons, counts.scaled(conditional))
             self._revisions.append((state, revised))
 
     def forecast(self, session: str) -> ReturnForecast | None:

@@ -6,6 +6,15 @@ session: request counts, the idle gaps so far, what the request that just
 ended looked like, and the chain of chunk keys of the session's latest prompt.
 Features read these states; they never see raw events.
 
+Sessions that move between hosts. An engine that sends a session's requests to
+another daemon can say when the session last finished (``idle_since`` of
+``request_started``). A session new here then starts with that gap in its
+history; one this tracker saw go idle earlier, but that ran elsewhere since,
+measures its gap from the other host's finish and is marked
+``resumed_elsewhere``, so the learner drops the forecast it made here rather than
+label an idle period whose end it never saw (the other host did not see it end
+either: nobody counts it twice).
+
 A session is *idle* when none of its requests is running. Requests of one
 session may overlap (an agent that fans out to sub-agents), so the state
 counts running requests rather than keeping a flag: the session goes idle
@@ -56,6 +65,9 @@ class SessionState:
     gaps: list[float] = field(default_factory=list)
     human_gaps: list[float] = field(default_factory=list)
     last_trigger: Trigger | None = None
+    # The idle gap the latest start ended began on another host (its ``idle_since``
+    # said so): this tracker did not see it begin.
+    resumed_elsewhere: bool = False
     new_tokens: int = 0  # prompt tokens of the latest request beyond the previous context
     last_steps: int = 0
     last_output_tokens: int = 0
@@ -95,6 +107,16 @@ class SessionTracker:
         state = self._state(event.session, event.time)
         if user is not None:
             state.user = user
+        state.resumed_elsewhere = False
+        if (
+            event.idle_since is not None
+            and state.running == 0
+            and (state.idle_since is None or event.idle_since > state.idle_since)
+        ):
+            # It ran on another host after it was last idle here (or was never here):
+            # its gap is from that host's finish.
+            state.idle_since = event.idle_since
+            state.resumed_elsewhere = True
         gap = None
         if state.running == 0 and state.idle_since is not None:
             gap = max(0.0, event.time - state.idle_since)

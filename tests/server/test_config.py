@@ -18,7 +18,7 @@ from kvstore.server.leases import LeaseTable
 from kvstore.server.serving import SharedServing
 from kvstore.store.config import StoreConfig
 from kvstore.wire.codes import ErrorCode, WireError
-from kvstore.wire.events import UNNAMED, RequestFinished, Trigger, parse_event
+from kvstore.wire.events import MAX_IDLE_S, UNNAMED, RequestFinished, Trigger, parse_event
 
 # -- config ------------------------------------------------------------------------------
 
@@ -214,6 +214,26 @@ def test_events_parse_into_types_and_the_ring_is_bounded() -> None:
                     "time": when,
                 }
             )
+
+
+def test_a_start_may_say_when_the_session_last_finished_elsewhere() -> None:
+    body = {
+        "event": "request_started",
+        "session": "s",
+        "trigger": "user",
+        "prompt_tokens": 1,
+        "cached_tokens": 0,
+        "time": 1000.0,
+        "idle_since": 880.0,
+    }
+    event = parse_event(body)
+    assert event.idle_since == 880.0
+    assert parse_event(event.to_json()) == event and event.to_json() == body
+    assert "idle_since" not in parse_event({**body, "idle_since": None}).to_json()
+    too_old = 1000.0 - MAX_IDLE_S - 1
+    for bad in (1000.5, too_old, float("nan"), 10**400, True, "yesterday"):
+        with pytest.raises(WireError, match="idle_since must"):
+            parse_event({**body, "idle_since": bad})
 
 
 def test_events_carry_an_optional_chain_and_may_leave_the_session_to_it() -> None:

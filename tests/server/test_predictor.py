@@ -187,6 +187,31 @@ def test_an_idle_chain_is_demoted_and_a_resume_brings_it_back(
     assert [(s.labels["tier"], s.value) for s in placed if s.name.endswith("total")] == [("ssd", 1)]
 
 
+def test_a_session_moved_to_another_daemon_keeps_its_gap_and_is_labelled_once(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """An engine moves session "m" from daemon A to daemon B after A saw it go idle, and
+    says when it last finished: B counts the gap, A's forecast is never labelled by B,
+    and when "m" comes back to A later A drops the forecast it made, whose end it
+    never saw, instead of labelling the whole time in between as one long gap."""
+    host_a = daemon_factory(config(), daemon=OWN_CLOCK)
+    host_b = daemon_factory(config(), daemon=OWN_CLOCK)
+    with host_a.client() as on_a, host_b.client() as on_b:
+        post(on_a, started("m", T0), finished("m", T0 + 10))
+        moved = RequestStarted("m", Trigger.USER, 1000, 0, T0 + 130, idle_since=T0 + 10)
+        post(on_b, moved, finished("m", T0 + 140))
+        stats(on_b, processed(2))
+        assert session(on_b, "m")["gaps"] == 1  # the 120 s it waited, though not on B
+        back = RequestStarted("m", Trigger.USER, 1000, 0, T0 + 200, idle_since=T0 + 140)
+        post(on_a, back)
+        labelled = stats(on_a, processed(3))["predictor"]["quality"]
+        # A's forecast from T0 + 10 ended on B (at T0 + 130). Its 1-minute horizon had
+        # passed, and was labelled "not back", before A could know; the others are
+        # dropped, not labelled as if A had seen a 190 s gap.
+        assert {horizon: entry["n"] for horizon, entry in labelled.items()} == {"60": 1}
+        assert session(on_a, "m")["gaps"] == 1 and session(on_a, "m")["active"]
+
+
 def test_a_model_from_train_predictor_starts_a_daemon(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:

@@ -167,6 +167,19 @@ def test_forgotten_or_superseded_forecasts_are_never_labelled() -> None:
     assert model.batches == [([[0.0] * 3], [[True] * 3])]  # only t's second forecast
 
 
+def test_an_idle_period_that_ended_on_another_host_is_not_labelled_here() -> None:
+    online, model, scores = learner()
+    online.observe(finish("m", 0.0))  # idle here; its next request went to another host
+    back = RequestStarted("m", Trigger.USER, 100, 0, 40.0, idle_since=30.0)
+    online.observe(back)
+    online.tick(9000.0)
+    assert model.batches == [] and online.forecast("m") is None
+    # The same return seen here end to end is labelled, once.
+    online.observe(finish("m", 50.0))
+    online.observe(RequestStarted("m", Trigger.USER, 100, 0, 80.0, idle_since=50.0))
+    assert model.batches == [([[1.0] * 3], [[True] * 3])]
+
+
 # --- scores --------------------------------------------------------------------------
 
 

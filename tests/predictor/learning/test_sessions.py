@@ -111,3 +111,28 @@ def test_sessions_sharing_a_chain_resolve_to_the_latest_then_the_other() -> None
     assert tracker.infer(system) == "second"
     tracker.finished(finish("second", 2.0), keys=chunk_keys(NS, list(range(12))))
     assert tracker.infer(system) == "first"
+
+
+def moved(session: str, at: float, idle_since: float) -> RequestStarted:
+    """A start on this host of a session whose last request finished on another."""
+    return RequestStarted(session, Trigger.USER, 100, 0, at, idle_since=idle_since)
+
+
+def test_a_session_moved_here_keeps_the_gap_it_waited_elsewhere() -> None:
+    tracker = SessionTracker()
+    state, gap = tracker.started(moved("m", 500.0, idle_since=380.0), user="u")
+    assert gap == 120.0 and state.resumed_elsewhere
+    assert state.gaps == state.human_gaps == [120.0]
+    assert list(tracker.user_human_gaps("u")) == [120.0]
+    # Its next gap is its own: seen to begin here.
+    tracker.finished(finish("m", 510.0))
+    state, gap = tracker.started(moved("m", 530.0, idle_since=510.0))
+    assert gap == 20.0 and not state.resumed_elsewhere
+
+
+def test_a_session_that_ran_elsewhere_meanwhile_measures_from_the_last_finish() -> None:
+    tracker = SessionTracker()
+    tracker.started(start("m", 0.0))
+    tracker.finished(finish("m", 10.0))  # idle here since 10 s; then it ran on another host
+    state, gap = tracker.started(moved("m", 300.0, idle_since=250.0))
+    assert gap == 50.0 and state.resumed_elsewhere and state.gaps == [50.0]
