@@ -1,4 +1,5 @@
-"""Raw ceilings for ``bench/tiers.py``: each tier's backend driven directly.
+"""Raw ceilings for ``bench/tiers.py`` and ``bench/cluster.py``: each tier's backend
+driven directly.
 
 The store is measured against these: the same bytes moved by the backend with
 nothing of kvstore around it (numpy memcpy, py-lmdb, redis-py, a torch copy).
@@ -35,6 +36,17 @@ class RawBackend(Protocol):
     def delete(self, keys: Sequence[bytes]) -> None: ...
 
     def close(self) -> None: ...
+
+
+def _client_settings(config: TierConfig) -> dict[str, Any]:
+    """redis-py connection settings as the Redis tier sets them (``tiers/redis_tier.py``)."""
+    return {
+        "decode_responses": False,
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": config.connect_timeout_s,
+        "health_check_interval": 15,
+        "max_connections": 32,
+    }
 
 
 class RawDRAM:
@@ -127,11 +139,7 @@ class RawRedis:
             url,
             timeout=config.socket_timeout_s,
             retry=Retry(NoBackoff(), retries=1),
-            decode_responses=False,
-            socket_timeout=config.socket_timeout_s,
-            socket_connect_timeout=config.connect_timeout_s,
-            health_check_interval=15,
-            max_connections=32,
+            **_client_settings(config),
         )
         self._client = redis.Redis(connection_pool=self._pool)
 
@@ -163,6 +171,44 @@ class RawRedis:
     def close(self) -> None:
         self._client.close()
         self._pool.disconnect()
+
+
+class RawRedisCluster:
+    """redis-py cluster pipelines (hiredis parser) with the Redis tier's client settings,
+    on whole Redis keys: a ``SET``/``GET``/``EXISTS`` per key, one pipeline per call,
+    which redis-py splits by master. One instance per thread (each its own pools)."""
+
+    def __init__(self, nodes: Sequence[str], config: TierConfig) -> None:
+        import redis.cluster
+
+        startup = [
+            redis.cluster.ClusterNode(host, int(port))
+            for host, _, port in (node.rpartition(":") for node in nodes)
+        ]
+        self._client = redis.cluster.RedisCluster(startup_nodes=startup, **_client_settings(config))
+
+    def _pipelined(
+        self, command: str, keys: Sequence[bytes], *values: Sequence[bytes]
+    ) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for key, *value in zip(keys, *values, strict=True):
+            pipe.execute_command(command, key, *value)
+        return list(pipe.execute())
+
+    def set_many(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
+        self._pipelined("SET", keys, values)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._pipelined("GET", keys)
+
+    def exists_all(self, keys: Sequence[bytes]) -> bool:
+        return all(self._pipelined("EXISTS", keys))
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        self._pipelined("DEL", keys)
+
+    def close(self) -> None:
+        self._client.close()
 
 
 class RawHBM:

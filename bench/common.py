@@ -51,9 +51,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import httpx
+import numpy as np
 import torch
 
-from kvstore.keys import KVLayout
+import kvstore
+from kvstore.client import StoreClient
+from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
 from kvstore.processes import spawn, stop_process
 
 # Ports this module must never use: the shared development Redis lives on 6379.
@@ -196,6 +200,49 @@ def make_chunks(size: ChunkSize, count: int, seed: int) -> list[torch.Tensor]:
     ]
 
 
+@dataclass(frozen=True)
+class Chain:
+    """A token sequence and the chunk keys it hashes to (``kvstore.keys.chunk_keys``)."""
+
+    tokens: np.ndarray
+    keys: list[ChunkKey]
+
+
+class KeySpace:
+    """Fresh token sequences (hence fresh chunk keys) for every repetition: a put is
+    then a real write, never a "chunk already held", and a lookup a first one."""
+
+    def __init__(self, namespace: Namespace, count: int, seed: int) -> None:
+        self._namespace = namespace
+        self._count = count
+        self._rng = np.random.default_rng(seed)
+
+    def fresh(self) -> Chain:
+        tokens = self._rng.integers(
+            0, VOCAB, size=self._count * self._namespace.chunk_tokens, dtype=np.int64
+        )
+        return Chain(tokens, chunk_keys(self._namespace, tokens))
+
+
+def check_chunks(
+    label: str, got: Sequence[Any], payloads: Sequence[np.ndarray], full: bool
+) -> None:
+    """Every chunk came back (a failed call degrades to misses); first and last
+    byte for byte when ``full``."""
+    missing = sum(chunk is None for chunk in got)
+    if missing:
+        raise RuntimeError(f"{label}: {missing} of {len(got)} chunks missed")
+    if full:
+        for index in (0, len(payloads) - 1):
+            if bytes(got[index].payload) != payloads[index].tobytes():
+                raise RuntimeError(f"{label}: chunk {index} did not round-trip")
+
+
+def redis_key(namespace: Namespace, key: ChunkKey, prefix: str = "kvs") -> bytes:
+    """The key a block has in Redis (the layout of ``tiers/redis_tier.py``)."""
+    return f"{prefix}:{namespace.digest.hex()}:".encode() + key
+
+
 def size_label(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
 
@@ -269,6 +316,13 @@ class BatchThroughput:
     @property
     def ratio(self) -> float:
         return self.gbps / self.ceiling_gbps
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` by nearest rank (of 100 values, p99 is the
+    largest but one; of fewer, the largest)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _nothing() -> None:
@@ -365,6 +419,18 @@ def temp_dir(prefix: str = "kvs-bench-", base: str | Path | None = None) -> Iter
 # -- child processes ---------------------------------------------------------
 
 
+CLIENT_TIMEOUT_S = 60.0  # per I/O phase; generous, a failed call would read as a miss
+
+
+def store_client(stack: contextlib.ExitStack, url: str, **options: Any) -> StoreClient:
+    """``kvstore.connect(url, **options)`` with the benchmarks' timeout, a daemon's client
+    (not an embedded store), closed when ``stack`` closes."""
+    client = kvstore.connect(url, timeout_s=CLIENT_TIMEOUT_S, **options)
+    assert isinstance(client, StoreClient)
+    stack.callback(client.close)
+    return client
+
+
 def answers_healthz(socket_path: Path) -> bool:
     """Whether ``GET /healthz`` over the Unix socket answers 200 (raw HTTP, no client)."""
     try:
@@ -375,6 +441,44 @@ def answers_healthz(socket_path: Path) -> bool:
             return sock.recv(64).startswith(b"HTTP/1.1 200")
     except OSError:
         return False
+
+
+class DaemonStats:
+    """A daemon's ``GET /v1/stats`` over its Unix socket, on one connection kept open,
+    so it is cheap enough to poll (how far its DRAM arena is prefaulted, what its
+    write-through has copied)."""
+
+    def __init__(self, socket_path: Path, timeout_s: float = 10.0) -> None:
+        self._http = httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(socket_path)),
+            base_url="http://kvstore",
+            timeout=timeout_s,
+        )
+
+    def get(self) -> dict[str, Any]:
+        response = self._http.get("/v1/stats")
+        response.raise_for_status()
+        body = response.json()
+        assert isinstance(body, dict)
+        return body
+
+    def tier(self, label: str) -> dict[str, Any]:
+        """The counters of one tier (``kvstore.store.stats.TierCounters``)."""
+        counters = self.get()["store"]["tiers"][label]
+        assert isinstance(counters, dict)
+        return counters
+
+    def wait_prefaulted(self, timeout_s: float = 120.0) -> None:
+        """Wait until the daemon has populated its DRAM arena (``tiers.prefault``), so
+        that nothing is timed against first-touch page faults or the thread making them."""
+        deadline = time.monotonic() + timeout_s
+        while not self.get()["daemon"]["dram_prefault"]["done"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the DRAM arena was not prefaulted in {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._http.close()
 
 
 class ServerProcess:

@@ -65,8 +65,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,27 +74,30 @@ from ceilings import RawDRAM  # noqa: E402
 from common import (  # noqa: E402
     CHUNK_2MIB,
     CHUNK_16MIB,
-    VOCAB,
+    CLIENT_TIMEOUT_S,
     BatchThroughput,
     Case,
     ChunkSize,
+    DaemonStats,
     GiB,
+    KeySpace,
     MiB,
     ServerProcess,
     bench_arguments,
     bench_session,
+    check_chunks,
     emit_json,
     format_table,
     log,
     machine_info,
     make_chunks,
     size_label,
+    store_client,
     temp_dir,
     time_interleaved,
     verdict,
 )
 from daemon_lookups import (  # noqa: E402
-    CLIENT_TIMEOUT_S,
     LOOKUP_CLIENTS,
     LOOKUP_LAYOUT,
     LOOKUP_TOKENS,
@@ -104,9 +105,8 @@ from daemon_lookups import (  # noqa: E402
 )
 from http_ceiling import BareHTTP, ceiling_process  # noqa: E402
 
-import kvstore  # noqa: E402
 from kvstore.client import StoreClient  # noqa: E402
-from kvstore.keys import ChunkKey, Namespace, chunk_keys  # noqa: E402
+from kvstore.keys import ChunkKey, Namespace  # noqa: E402
 from kvstore.processes import HOST, free_port  # noqa: E402
 
 SIZES = (CHUNK_2MIB, CHUNK_16MIB)
@@ -214,18 +214,6 @@ log_level = "warning"
     return ServerProcess("kvstore serve", argv, socket_path, root / "daemon.log"), addresses
 
 
-def wait_prefaulted(addresses: Addresses, timeout_s: float = 120.0) -> None:
-    """Wait until the daemon has populated its DRAM arena (``tiers.prefault``), so
-    that nothing is timed against first-touch page faults or the thread making them."""
-    deadline = time.monotonic() + timeout_s
-    transport = httpx.HTTPTransport(uds=str(addresses.socket_path))
-    with httpx.Client(transport=transport, base_url="http://kvstore") as http:
-        while not http.get("/v1/stats").json()["daemon"]["dram_prefault"]["done"]:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the DRAM arena was not prefaulted in {timeout_s:.0f} s")
-            time.sleep(0.1)
-
-
 # -- measurement -----------------------------------------------------------------
 
 
@@ -237,21 +225,6 @@ class Rep:
     result: Any = None
 
 
-class KeySpace:
-    """Fresh token sequences (hence fresh chunk keys) for every repetition."""
-
-    def __init__(self, namespace: Namespace, count: int, seed: int) -> None:
-        self._namespace = namespace
-        self._count = count
-        self._rng = np.random.default_rng(seed)
-
-    def fresh(self) -> list[ChunkKey]:
-        tokens = self._rng.integers(
-            0, VOCAB, size=self._count * self._namespace.chunk_tokens, dtype=np.int64
-        )
-        return chunk_keys(self._namespace, tokens)
-
-
 @dataclass
 class Clients:
     """The daemon's clients (one per path) and the bare ceilings."""
@@ -259,18 +232,6 @@ class Clients:
     store: dict[str, StoreClient]
     bare: dict[str, BareHTTP]
     memcpy: RawDRAM
-
-
-def check_chunks(path: str, got: list[Any], payloads: list[np.ndarray], full: bool) -> None:
-    """Every chunk came back (a failed call degrades to misses); first and last
-    byte for byte when ``full``."""
-    missing = sum(chunk is None for chunk in got)
-    if missing:
-        raise RuntimeError(f"{path}: {missing} of {len(got)} chunks missed")
-    if full:
-        for index in (0, len(payloads) - 1):
-            if bytes(got[index].payload) != payloads[index].tobytes():
-                raise RuntimeError(f"{path}: chunk {index} did not round-trip")
 
 
 def measure_size(
@@ -298,7 +259,7 @@ def measure_size(
     results: list[Result] = []
 
     # The chunks every get reads, stored once.
-    keys = space.fresh()
+    keys = space.fresh().keys
     if unix.put(namespace, keys, chunks) != count:
         raise RuntimeError(f"put of {count} chunks did not store them all")
     outs = [torch.zeros_like(chunk) for chunk in chunks]
@@ -354,7 +315,7 @@ def measure_size(
         held: list[ChunkKey] = []
 
         def fresh() -> Rep:
-            return Rep(space.fresh())
+            return Rep(space.fresh().keys)
 
         def put(rep: Rep, client: StoreClient = client) -> None:
             rep.result = client.put(namespace, rep.keys, chunks)
@@ -459,13 +420,9 @@ def main(argv: list[str] | None = None) -> None:
         ceiling, ceiling_port = ceiling_process(root)
         stack.enter_context(ceiling)
         log(f"  daemon pid {daemon.pid} on {addresses.unix_url} and {addresses.tcp_url}")
-        wait_prefaulted(addresses)
-
-        def connect(url: str, **options: Any) -> StoreClient:
-            client = kvstore.connect(url, timeout_s=CLIENT_TIMEOUT_S, **options)
-            assert isinstance(client, StoreClient)
-            stack.callback(client.close)
-            return client
+        stats = DaemonStats(addresses.socket_path)
+        stack.callback(stats.close)
+        stats.wait_prefaulted()
 
         def bare(uds: str | None, base_url: str, token: str | None) -> BareHTTP:
             client = BareHTTP(uds, base_url, token, CLIENT_TIMEOUT_S)
@@ -474,10 +431,12 @@ def main(argv: list[str] | None = None) -> None:
 
         clients = Clients(
             store={
-                "shm": connect(addresses.unix_url, transfer="shm"),
-                "shm-full": connect(addresses.unix_url, transfer="shm", verify="full"),
-                "unix": connect(addresses.unix_url, transfer="bytes"),
-                "tcp": connect(addresses.tcp_url, token=addresses.token, transfer="bytes"),
+                "shm": store_client(stack, addresses.unix_url, transfer="shm"),
+                "shm-full": store_client(stack, addresses.unix_url, transfer="shm", verify="full"),
+                "unix": store_client(stack, addresses.unix_url, transfer="bytes"),
+                "tcp": store_client(
+                    stack, addresses.tcp_url, token=addresses.token, transfer="bytes"
+                ),
             },
             bare={
                 "unix": bare(str(ceiling.socket_path), "http://kvstore", None),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import VOCAB
+from common import CLIENT_TIMEOUT_S, VOCAB, percentile
 
 import kvstore
 from kvstore.client import StoreClient
@@ -26,7 +26,6 @@ from kvstore.keys import KVLayout, Namespace, chunk_keys
 LOOKUP_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=256)
 LOOKUP_TOKENS = 32_768
 LOOKUP_CLIENTS = 8
-CLIENT_TIMEOUT_S = 60.0  # per I/O phase; generous, a failed call would read as a miss
 
 
 @dataclass
@@ -42,8 +41,7 @@ class LookupResult:
         return self.lookups / self.seconds
 
     def percentile_ms(self, q: float) -> float:
-        ordered = sorted(self.latencies_s)
-        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return 1e3 * percentile(self.latencies_s, q)
 
 
 def measure_lookups(url: str, daemon_pid: int, seconds: float) -> LookupResult:

@@ -59,9 +59,12 @@ from common import (  # noqa: E402
     VOCAB,
     BatchThroughput,
     Case,
+    Chain,
     ChunkSize,
+    KeySpace,
     MiB,
     bench_session,
+    check_chunks,
     emit_json,
     format_table,
     log,
@@ -190,21 +193,6 @@ def open_tiers(
 # -- measurement ---------------------------------------------------------------
 
 
-class KeySpace:
-    """Fresh token sequences (hence fresh chunk keys) for every repetition."""
-
-    def __init__(self, namespace: Namespace, count: int, seed: int) -> None:
-        self._namespace = namespace
-        self._count = count
-        self._rng = np.random.default_rng(seed)
-
-    def fresh(self) -> tuple[np.ndarray, list[ChunkKey]]:
-        tokens = self._rng.integers(
-            0, VOCAB, size=self._count * self._namespace.chunk_tokens, dtype=np.int64
-        )
-        return tokens, chunk_keys(self._namespace, tokens)
-
-
 def raw_keys(namespace: Namespace, keys: Sequence[ChunkKey]) -> list[bytes]:
     # 32-byte keys, as the LMDB tier uses (namespace digest + chunk key).
     return [namespace.digest + key for key in keys]
@@ -226,18 +214,18 @@ def measure_tier(
     space = KeySpace(namespace, count, seed)
     held: dict[str, list[Any]] = {"store": [], "raw": []}
 
-    def store_put(state: tuple[np.ndarray, list[ChunkKey]]) -> None:
-        stored = store.put(namespace, state[0], chunks)
+    def store_put(state: Chain) -> None:
+        stored = store.put(namespace, state.tokens, chunks)
         if stored != count:
             raise RuntimeError(f"{tut.name}: stored {stored} of {count} chunks (capacity?)")
 
-    def store_after(state: tuple[np.ndarray, list[ChunkKey]]) -> None:
+    def store_after(state: Chain) -> None:
         if held["store"]:
             store.delete(namespace, held["store"])
-        held["store"] = state[1]
+        held["store"] = state.keys
 
     def raw_before() -> list[bytes]:
-        return raw_keys(namespace, space.fresh()[1])
+        return raw_keys(namespace, space.fresh().keys)
 
     def raw_after(keys: list[bytes]) -> None:
         if held["raw"]:
@@ -255,7 +243,7 @@ def measure_tier(
 
     store_keys, raw_held = held["store"], held["raw"]
     misses_before = store.stats().get_misses
-    check_roundtrip(tut.name, store.get(namespace, store_keys), payloads)
+    check_chunks(tut.name, store.get(namespace, store_keys), payloads, full=True)
     if any(value is None for value in raw.get(raw_held)):
         raise RuntimeError(f"{tut.name}: the raw backend lost a value")
     gets = time_interleaved(
@@ -270,7 +258,7 @@ def measure_tier(
     # engine loading into its KV cache does; the ceiling reads into buffers too.
     outs = [torch.zeros_like(chunk) for chunk in chunks]
     raw_outs = [np.zeros(p.nbytes, dtype=np.uint8) for p in payloads]
-    check_roundtrip(tut.name, store.get(namespace, store_keys, out=outs), payloads)
+    check_chunks(tut.name, store.get(namespace, store_keys, out=outs), payloads, full=True)
     gets_into = time_interleaved(
         {
             "store": Case(run=lambda: store.get(namespace, store_keys, out=outs)),
@@ -296,15 +284,6 @@ def measure_tier(
         )
         for op, samples in timed.items()
     ]
-
-
-def check_roundtrip(tier: str, got: list[Any], payloads: list[np.ndarray]) -> None:
-    """Every chunk came back, and (first and last) byte for byte."""
-    if any(chunk is None for chunk in got):
-        raise RuntimeError(f"{tier}: a chunk just stored was a miss")
-    for index in (0, len(payloads) - 1):
-        if bytes(got[index].payload) != payloads[index].tobytes():
-            raise RuntimeError(f"{tier}: chunk {index} did not round-trip")
 
 
 def measure_hashing(reps: int) -> dict[str, Any]:

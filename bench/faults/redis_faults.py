@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import redis_key
 
 import kvstore
 from faults.campaign import SHORT, DaemonSpec, Report, Scale
@@ -493,11 +494,6 @@ def _announce_through(cluster: RedisCluster, master: RedisServer, proxy: FaultPr
         time.sleep(0.05)
 
 
-def _redis_key(namespace: Namespace, key: ChunkKey) -> bytes:
-    """The key a block has in Redis (the layout of ``tiers/redis_tier.py``)."""
-    return f"kvs:{namespace.digest.hex()}:".encode() + key
-
-
 def _cluster(scale: Scale, workdir: Path, until: float, totals: Totals) -> dict[str, Any]:
     cluster = RedisCluster(workdir / "cluster")
     try:
@@ -515,7 +511,7 @@ def _cluster(scale: Scale, workdir: Path, until: float, totals: Totals) -> dict[
                     key
                     for chain in corpus.redis_held
                     for key in chain.keys
-                    if cluster.port_for_key(_redis_key(corpus.namespace, key)) == victim.port
+                    if cluster.port_for_key(redis_key(corpus.namespace, key)) == victim.port
                 )
                 if not corpus.behind_proxy:
                     raise RuntimeError("no Redis-held chunk is on the proxied master")
