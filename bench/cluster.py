@@ -22,8 +22,8 @@ measured in the same run:
     visibility       until the whole chain is a hit: from A's put   EXISTS in Redis (a raw
                      returning to B's first full hit                poll of the same chain)
     lookup cost      B looks up a 128-chunk chain nobody holds      B looks up a 128-chunk
-                     (first, and again within the 1 s negative      chain held in its own DRAM
-                     cache), and one Redis holds (first, again)     (no round trip)
+                     (first, and again within the negative cache's  chain held in its own DRAM
+                     window), and one Redis holds (first, again)    (no round trip)
 
 Cross-host visibility is measured three ways, interleaved:
 
@@ -32,11 +32,11 @@ Cross-host visibility is measured three ways, interleaved:
 * ``polling``: B never looked before A's put, and looks from the moment it
   returns, as an engine asked for that prefix would. A lookup that comes before
   A's copy has fully landed finds the landed part, and the keys Redis lacks at
-  that moment are taken as missing for ``shared_miss_ttl_s`` (1 s): the full
-  hit comes a second after that lookup, not when the copy lands.
+  that moment are taken as missing for ``shared_miss_ttl_s`` (0.25 s): the
+  full hit comes that long after that lookup, not when the copy lands.
 * ``looked_before``: B looked the chain up (a miss) just before A's put, so its
-  keys are taken as missing for 1 s from that lookup: the full hit comes about
-  1 s after it, i.e. 1 s less A's put.
+  keys are taken as missing for ``shared_miss_ttl_s`` from that lookup: the full
+  hit comes about that long after it, less A's put.
 
 How many Redis commands each kind of call costs (``INFO commandstats`` on every
 master, reset before the call) is reported beside the timings: a lookup's
@@ -562,7 +562,7 @@ def visibility_json(samples: list[Visibility]) -> dict[str, Any]:
 LOOKUP_CASES = {
     "local": "B, chain in its own DRAM (baseline)",
     "absent_first": "B, chain held nowhere: first lookup",
-    "absent_again": "B, held nowhere: again within 1 s",
+    "absent_again": "B, held nowhere: again at once",
     "held_first": "B, chain only in Redis: first lookup",
     "held_again": "B, only in Redis: again",
     "no_shared_tier": "a daemon with no shared tier, its DRAM",
@@ -793,7 +793,7 @@ NOTES = [
     "lease first and then fetches the blocks DRAM does not hold as bytes: two requests.",
     "Visibility: A = the first daemon, B = the second; the chain is as long as a put's above. "
     "'landed' is when a raw EXISTS poll saw every block in Redis; a lookup before then finds "
-    "part of the chain and the daemon takes the rest as missing for shared_miss_ttl_s (1 s).",
+    "part of the chain and the daemon takes the rest as missing for shared_miss_ttl_s (0.25 s).",
     "Lookups pass token ids (the client hashes them); 128 chunks of 16 tokens (tiny payloads: "
     "a lookup reads none). 'extra' = the case's percentile minus the local one's. The "
     "'no shared tier' row is a daemon with DRAM only: with a shared tier every lookup goes "

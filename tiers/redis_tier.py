@@ -222,11 +222,35 @@ _LINK_LOST: tuple[type[BaseException], ...] = (
 )
 
 
-def _send_share(client: redis.cluster.RedisCluster, share: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """One master's share of a batch (``_run_cluster``); a master that is down or hung
-    answers its error for every command. A refused login raises."""
+def _send_share(
+    client: redis.cluster.RedisCluster, node: str, share: Sequence[tuple[Any, ...]]
+) -> list[Any]:
+    """One master's share of a batch; a master that is down or hung answers its error
+    for every command. A refused login raises.
+
+    The share goes as a plain pipeline on that master's own connection, the slot
+    map having routed it already (``_shares``): redis-py's cluster pipeline routes
+    and parses every command again, which measured 2.7 ms for 128 ``EXISTS`` on
+    three loopback masters against 0.9 ms this way. Only what comes back
+    ``MOVED``/``ASK``/``TRYAGAIN`` (a resharding or failover) goes through
+    ``_run_cluster``, which follows redirections and corrects the map."""
     try:
-        return _run_cluster(client, share)
+        master = _node_client(client, node)
+        if master is None:  # a slot no master serves: redis-py reports it per command
+            return _run_cluster(client, share)
+        pipe = master.pipeline(transaction=False)
+        try:
+            for command in share:
+                pipe.execute_command(*command)
+            results = list(pipe.execute(raise_on_error=False))
+        finally:
+            pipe.reset()
+        redirected = [i for i, result in enumerate(results) if isinstance(result, _REDIRECTIONS)]
+        if redirected:
+            answers = _run_cluster(client, [share[i] for i in redirected])
+            for i, answer in zip(redirected, answers, strict=True):
+                results[i] = answer
+        return results
     except _NODE_DOWN as error:
         if isinstance(error, _REFUSED):
             raise
@@ -493,7 +517,7 @@ class RedisTier:
     ) -> dict[str, list[Any]]:
         """Each master's share sent at once (``_send_share``), answers by master."""
         if len(shares) <= 1:
-            return {node: _send_share(client, share) for node, share in shares.items()}
+            return {node: _send_share(client, node, share) for node, share in shares.items()}
         with self._lock:
             if self._closed:
                 raise TierUnavailable(_TIER, "tier is closed")
@@ -503,7 +527,7 @@ class RedisTier:
                 )
             fan_out = self._fan_out
         futures = {
-            node: fan_out.submit(_send_share, client, share) for node, share in shares.items()
+            node: fan_out.submit(_send_share, client, node, share) for node, share in shares.items()
         }
         return {node: future.result() for node, future in futures.items()}
 

@@ -147,7 +147,7 @@ class StoreConfig:
     flush_on_close: bool = True
     breaker_min_open_s: float = 0.5
     breaker_max_open_s: float = 10.0
-    shared_miss_ttl_s: float = 1.0
+    shared_miss_ttl_s: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.tiers:

@@ -51,7 +51,7 @@ def test_quick_run_reports_every_figure(capsys: pytest.CaptureFixture[str]) -> N
     commands = report["redis_commands"]
     exists = {name: counts["exists"] for name, counts in commands.items()}
     # One EXISTS per key the local index cannot place; none for a miss within the
-    # negative cache's second; a Redis-only chain is asked about every time.
+    # negative cache's window; a Redis-only chain is asked about every time.
     assert exists["lookup_local"] == 0
     assert exists["lookup_absent_first"] == chunks
     assert exists["lookup_absent_again"] == 0
