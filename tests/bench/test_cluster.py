@@ -42,7 +42,15 @@ def test_quick_run_reports_every_figure(capsys: pytest.CaptureFixture[str]) -> N
 
     lookups = report["lookup"]
     assert sorted(lookups) == sorted(
-        ["local", "absent_first", "absent_again", "held_first", "held_again", "no_shared_tier"]
+        [
+            "local",
+            "absent_first",
+            "absent_again",
+            "held_first",
+            "held_again",
+            "no_shared_tier",
+            "raw_exists",
+        ]
     )
     assert all(case["samples"] == config["lookup_samples"] for case in lookups.values())
     assert all(case["p50_ms"] > 0 for case in lookups.values())
