@@ -102,6 +102,11 @@ _TIER_GAUGES = (
     ("capacity_bytes", "capacity_bytes", "Configured capacity of the tier."),
     ("blocks", "blocks", "Blocks the tier holds."),
     ("down", "down", "1 while the tier's breaker is open (calls answered as misses)."),
+    (
+        "write_through_pending",
+        "write_through_pending",
+        "Blocks queued for their write-through copy to this shared tier, or on their way.",
+    ),
 )
 # (metric name, StoreStats field, help) of the store-wide counters.
 _STORE_COUNTERS = (

@@ -26,11 +26,15 @@ class TierCounters:
     writebacks_failed: int = 0  # victims kept here: their copy to a slower tier failed
     calls_refused: int = 0  # answered as a miss or a failed write: the breaker was open
     # A shared tier in write-through mode (``kvstore.store.write_through``): blocks queued
-    # for a copy, copied, dropped because the queue was full, and refused by the tier.
+    # for a copy, copied, skipped (held there already, or gone before their turn), dropped
+    # because the queue was full, and refused by the tier; and those queued or on their
+    # way now (queued = written + skipped + failed + pending).
     write_through_queued: int = 0
     write_through_written: int = 0
+    write_through_skipped: int = 0
     write_through_dropped: int = 0
     write_through_failed: int = 0
+    write_through_pending: int = 0
     breaker_trips: int = 0
     down: int = 0  # 1 while the breaker is open
     used_bytes: int = 0

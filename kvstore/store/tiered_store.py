@@ -336,6 +336,9 @@ class TieredStore(Closing):
                 counters.blocks = self.core.index.count(kind)
                 counters.breaker_trips = tier.breaker.trips
                 counters.down = int(tier.breaker.is_open)
+                writer = next((w for w in self.core.write_through if w.kind is kind), None)
+                if writer is not None:
+                    counters.write_through_pending = writer.pending
                 memory = servers.get(kind)
                 if memory is not None:
                     counters.used_bytes = memory.used_bytes

@@ -159,9 +159,12 @@ class WriteThrough:
         copies, pinned = self._claim(batch)
         stored: dict[bytes, list[tuple[ChunkKey, ChunkKey | None, int]]] = {}
         failed = 0
+        skipped = len(batch) - len(copies)
         try:
             shared = self._placement.tiers[self.kind]
-            for namespace, items in self._read(copies).items():
+            framed = self._read(copies)
+            skipped += len(copies) - sum(len(items) for items in framed.values())
+            for namespace, items in framed.items():
                 try:
                     written = shared.put_many(namespace, [(key, block) for key, block, _ in items])
                 except TierFull:  # the server's maxmemory with noeviction: it owns capacity
@@ -178,6 +181,7 @@ class WriteThrough:
                     self._placement.record_stored(self.kind, namespace, entries)
                     self._counters.write_through_written += len(entries)
                 self._counters.write_through_failed += failed
+                self._counters.write_through_skipped += skipped
                 self._placement.unpin(pinned)
 
     def _claim(self, batch: list[tuple[bytes, ChunkKey]]) -> tuple[list[_Copy], list[ChunkKey]]:

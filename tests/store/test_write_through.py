@@ -89,6 +89,34 @@ def test_a_hung_shared_tier_never_holds_up_a_put(redis_server_factory) -> None:
         assert counters.write_through_failed >= 1
 
 
+def test_a_block_deleted_before_its_copy_is_skipped_and_counted(redis_server_factory) -> None:
+    server: RedisServer = redis_server_factory()
+    shared = TierConfig(REDIS, 64 << 20, url=server.url, socket_timeout_s=2.0)
+    ns = kv.namespace()
+    with TieredStore(kv.config(kv.dram(64), shared)) as store:
+        store.put(ns, kv.tokens(1, start=90_000), kv.chunks(1))
+        _drained(store)
+        server.pause()  # the worker waits on its next copy; the rest stay queued
+        try:
+            store.put(ns, kv.tokens(1, start=80_000), kv.chunks(1))  # the copy that waits
+            time.sleep(0.2)
+            keys = store.keys_for(ns, kv.tokens(6))
+            store.put(ns, kv.tokens(6), kv.chunks(6))
+            assert store.stats().tiers[REDIS].write_through_pending >= 6
+            assert store.delete(ns, keys) == 6  # gone before their turn
+        finally:
+            server.resume()
+        _drained(store, timeout_s=20.0)
+        counters = store.stats().tiers[REDIS]
+        assert counters.write_through_skipped == 6 and counters.write_through_pending == 0
+        assert counters.write_through_queued == (
+            counters.write_through_written
+            + counters.write_through_skipped
+            + counters.write_through_failed
+        )
+        assert store.lookup(ns, kv.tokens(6)).num_chunks == 0
+
+
 def test_a_full_queue_drops_copies_and_counts_them(clean_redis: RedisServer) -> None:
     shared = TierConfig(REDIS, 64 << 20, url=clean_redis.url, write_queue=4)
     ns = kv.namespace()
@@ -97,7 +125,7 @@ def test_a_full_queue_drops_copies_and_counts_them(clean_redis: RedisServer) -> 
         _drained(store)
         counters = store.stats().tiers[REDIS]
         assert (counters.write_through_queued, counters.write_through_dropped) == (4, 16)
-        assert counters.write_through_written == 4
+        assert counters.write_through_written == 4 and counters.write_through_pending == 0
         assert store.lookup(ns, kv.tokens(20)).tiers == (DRAM,) * 20
 
 
