@@ -11,18 +11,24 @@ password.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support import kv
 from support.redis_servers import CLUSTER_PASSWORD, TLSFiles
 from support.redis_tiers import NS, MakeTier, make_blocks
 
 from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.local_redis import RedisCluster, RedisServer
 from kvstore.tiers.redis_access import RedisAccess
 from kvstore.tiers.redis_tier import RedisTier
+from kvstore.tiers.registry import TierConfig
 
 Factory = Callable[..., RedisServer]
 PASSWORD = "s3cret-pass"
@@ -104,6 +110,44 @@ def test_tls_server_is_verified(
         make_tier(f"redis://{address}/0", socket_timeout_s=0.5, connect_timeout_s=0.5),
         "ConnectionError|TimeoutError",
     )
+
+
+def test_an_acl_user_confined_to_the_prefix_over_tls_shares_a_store(
+    redis_server_factory: Factory, tls_files: TLSFiles
+) -> None:
+    """The shared tier as docs/multihost.md sets it up: TLS with the test's own CA, an
+    ACL user whose keys are confined to ``kvs:*``, write-through. Two stores (two
+    hosts) share a chain through it; the same user under another prefix is refused."""
+    server = redis_server_factory(
+        "--user", "kvstore", "on", f">{PASSWORD}", "~kvs:*", "+@all",
+        password="admin-only", tls=tls_files.server(),
+    )  # fmt: skip
+    shared = TierConfig(
+        TierKind.REDIS,
+        64 << 20,
+        url=server.url,
+        username="kvstore",
+        password=PASSWORD,
+        tls_ca_file=tls_files.ca,
+        write="through",
+    )
+    ns = kv.namespace(salt="acl-tls")
+    data = kv.chunks(4)
+    with (
+        TieredStore(kv.config(kv.dram(16), shared)) as host_a,
+        TieredStore(kv.config(kv.dram(16), shared)) as host_b,
+    ):
+        host_a.put(ns, kv.tokens(4), data)
+        assert host_a.core.drain_write_through(time.monotonic() + 10)
+        assert host_a.stats().tiers[TierKind.REDIS].write_through_written == 4
+        assert host_b.lookup(ns, kv.tokens(4)).tiers == (TierKind.REDIS,) * 4
+        kv.assert_chunks_equal(host_b, ns, host_b.keys_for(ns, kv.tokens(4)), data)
+    outside = dataclasses.replace(shared, key_prefix="other")
+    with TieredStore(kv.config(kv.dram(16), outside)) as stranger:
+        stranger.put(ns, kv.tokens(4), data)
+        assert stranger.core.drain_write_through(time.monotonic() + 10)
+        counters = stranger.stats().tiers[TierKind.REDIS]
+        assert counters.write_through_written == 0 and counters.errors >= 1
 
 
 def test_tls_with_client_certificates_and_a_password(
