@@ -180,21 +180,40 @@ def _run_cluster(
     a leading underscore but undocumented; the cluster tests (hung master,
     ``ASK``/``MOVED`` during a slot migration) pin the behaviour relied on.
     """
+    results = _cluster_pass(client, commands, allow_redirections=False)
+    return _follow_redirections(client, commands, results)
+
+
+def _cluster_pass(
+    client: redis.cluster.RedisCluster,
+    commands: Sequence[tuple[Any, ...]],
+    *,
+    allow_redirections: bool,
+) -> list[Any]:
+    """``commands`` through one redis-py cluster pipeline, errors as results."""
     pipe = client.pipeline(transaction=False)
     try:
         stack = [PipelineCommand(command, {}, i) for i, command in enumerate(commands)]
-        results = list(
-            pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
+        return list(
+            pipe.send_cluster_commands(
+                stack, raise_on_error=False, allow_redirections=allow_redirections
+            )
         )
-        redirected = [i for i, result in enumerate(results) if isinstance(result, _REDIRECTIONS)]
-        if redirected:
-            again = [PipelineCommand(commands[i], {}, n) for n, i in enumerate(redirected)]
-            answers = pipe.send_cluster_commands(again, raise_on_error=False)
-            for i, answer in zip(redirected, answers, strict=True):
-                results[i] = answer
-        return results
     finally:
         pipe.reset()
+
+
+def _follow_redirections(
+    client: redis.cluster.RedisCluster, commands: Sequence[tuple[Any, ...]], results: list[Any]
+) -> list[Any]:
+    """``results`` with every ``MOVED``/``ASK``/``TRYAGAIN`` answer replaced by the answer
+    of a cluster pass that follows the redirection (and corrects the slot map)."""
+    redirected = [i for i, result in enumerate(results) if isinstance(result, _REDIRECTIONS)]
+    if redirected:
+        answers = _cluster_pass(client, [commands[i] for i in redirected], allow_redirections=True)
+        for i, answer in zip(redirected, answers, strict=True):
+            results[i] = answer
+    return results
 
 
 # A node that raised or answered one of these did not serve its share of a batch:
@@ -232,8 +251,8 @@ def _send_share(
     map having routed it already (``_shares``): redis-py's cluster pipeline routes
     and parses every command again, which measured 2.7 ms for 128 ``EXISTS`` on
     three loopback masters against 0.9 ms this way. Only what comes back
-    ``MOVED``/``ASK``/``TRYAGAIN`` (a resharding or failover) goes through
-    ``_run_cluster``, which follows redirections and corrects the map."""
+    ``MOVED``/``ASK``/``TRYAGAIN`` (a resharding or failover) goes through a
+    cluster pass that follows redirections and corrects the map."""
     try:
         master = _node_client(client, node)
         if master is None:  # a slot no master serves: redis-py reports it per command
@@ -245,12 +264,7 @@ def _send_share(
             results = list(pipe.execute(raise_on_error=False))
         finally:
             pipe.reset()
-        redirected = [i for i, result in enumerate(results) if isinstance(result, _REDIRECTIONS)]
-        if redirected:
-            answers = _run_cluster(client, [share[i] for i in redirected])
-            for i, answer in zip(redirected, answers, strict=True):
-                results[i] = answer
-        return results
+        return _follow_redirections(client, share, results)
     except _NODE_DOWN as error:
         if isinstance(error, _REFUSED):
             raise

@@ -87,7 +87,8 @@ class StoreCore:
             for opened in tiers.values():
                 opened.close()
             raise
-        server_owned = frozenset(t.kind for t in config.tiers if t.kind.shared and t.writes_through)
+        # Only a shared tier may write through (``TierConfig``): its servers own its capacity.
+        server_owned = frozenset(t.kind for t in config.tiers if t.writes_through)
         self.placement = Placement(
             tiers,
             codecs,
@@ -106,13 +107,10 @@ class StoreCore:
         # Shared tiers a put is copied to (``kvstore.store.write_through``), each by its
         # own thread; never the fastest tier, which a put writes itself.
         self.write_through = [
-            WriteThrough(
-                tier_config.kind, self.lock, self.index, self.placement, self.stats,
-                tier_config.write_queue,
-            )
-            for tier_config in config.tiers
-            if tier_config.writes_through and tier_config.kind != self.placement.fastest
-        ]  # fmt: skip
+            WriteThrough(t.kind, self.lock, self.index, self.placement, self.stats, t.write_queue)
+            for t in config.tiers
+            if t.kind in server_owned and t.kind != self.placement.fastest
+        ]
 
     # -- namespaces and keys ----------------------------------------------------
 

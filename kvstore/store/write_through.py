@@ -200,16 +200,21 @@ class WriteThrough:
         return copies, pinned
 
     def _read(self, copies: list[_Copy]) -> dict[bytes, list[_Framed]]:
-        """Each pinned block, framed for the shared tier's codec, by namespace."""
+        """Each pinned block, framed for the shared tier's codec, by namespace: one read
+        per source tier and namespace."""
         placement = self._placement
-        out: dict[bytes, list[_Framed]] = {}
+        by_source: dict[tuple[TierKind, bytes], list[_Copy]] = {}
         for copy in copies:
-            buffers = placement.tiers[copy.source].get_many(copy.namespace, [copy.key])
-            if not buffers or buffers[0] is None:
-                continue
-            try:
-                block = placement.reencode(stored_block(buffers[0]), self.kind)
-            except CorruptBlock:
-                continue  # the scrubber or the next read deals with it
-            out.setdefault(copy.namespace, []).append((copy.key, block, copy.parent))
+            by_source.setdefault((copy.source, copy.namespace), []).append(copy)
+        out: dict[bytes, list[_Framed]] = {}
+        for (source, namespace), group in by_source.items():
+            buffers = placement.tiers[source].get_many(namespace, [c.key for c in group])
+            for copy, buffer in zip(group, buffers or [None] * len(group), strict=True):
+                if buffer is None:
+                    continue
+                try:
+                    block = placement.reencode(stored_block(buffer), self.kind)
+                except CorruptBlock:
+                    continue  # the scrubber or the next read deals with it
+                out.setdefault(namespace, []).append((copy.key, block, copy.parent))
         return out
