@@ -107,6 +107,7 @@ def test_a_corrupt_copy_falls_back_to_a_good_lower_copy(
     with TieredStore(config) as store:
         store.put(ns, kv.tokens(2), data)
         keys = store.keys_for(ns, kv.tokens(2))
+        kv.written_through(store)
         store.demote(ns, keys)  # LMDB -> Redis
         store.promote(ns, keys)  # copy back up; Redis keeps its copy
         assert store.lookup(ns, kv.tokens(2)).tiers == (TierKind.SSD, TierKind.SSD)

@@ -389,6 +389,7 @@ def test_a_second_process_sees_blocks_put_in_shared_redis(clean_redis: RedisServ
     config = kv.config(kv.dram(8), kv.redis(clean_redis.url))
     with TieredStore(config) as writer, TieredStore(config) as reader:
         writer.put(ns, kv.tokens(3), data)
+        kv.written_through(writer)
         writer.demote(ns, writer.keys_for(ns, kv.tokens(3)))  # DRAM -> Redis
         prefix = reader.lookup(ns, kv.tokens(3))
         assert prefix.tiers == (REDIS,) * 3

@@ -22,10 +22,6 @@ from kvstore.tiers.registry import TierConfig, tier_config
 DRAM, REDIS = TierKind.DRAM, TierKind.REDIS
 
 
-def _drained(store: TieredStore, timeout_s: float = 10.0) -> None:
-    assert store.core.drain_write_through(time.monotonic() + timeout_s)
-
-
 def test_a_put_reaches_the_shared_tier_and_another_host_reads_it(clean_redis: RedisServer) -> None:
     ns = kv.namespace()
     data = kv.chunks(6)
@@ -34,7 +30,7 @@ def test_a_put_reaches_the_shared_tier_and_another_host_reads_it(clean_redis: Re
         TieredStore(kv.config(kv.dram(16), kv.redis(clean_redis.url))) as host_b,
     ):
         assert host_a.put(ns, kv.tokens(6), data) == 6
-        _drained(host_a)
+        kv.written_through(host_a)
         # Host A keeps its DRAM copies (nothing was evicted) and knows of the shared ones.
         assert host_a.lookup(ns, kv.tokens(6)).tiers == (DRAM,) * 6
         written = host_a.stats().tiers[REDIS]
@@ -65,7 +61,7 @@ def test_a_hung_shared_tier_never_holds_up_a_put(redis_server_factory) -> None:
     ns = kv.namespace()
     with TieredStore(kv.config(kv.dram(64), shared)) as store:
         store.put(ns, kv.tokens(1, start=90_000), kv.chunks(1))
-        _drained(store)
+        kv.written_through(store)
         server.pause()
         try:
             slowest = 0.0
@@ -82,7 +78,7 @@ def test_a_hung_shared_tier_never_holds_up_a_put(redis_server_factory) -> None:
                 time.sleep(0.05)
         finally:
             server.resume()
-        _drained(store, timeout_s=20.0)
+        kv.written_through(store, timeout_s=20.0)
         counters = store.stats().tiers[REDIS]
         # Copied once the server answered again, or failed (counted) while it did not.
         assert counters.write_through_written + counters.write_through_failed == 21
@@ -95,7 +91,7 @@ def test_a_block_deleted_before_its_copy_is_skipped_and_counted(redis_server_fac
     ns = kv.namespace()
     with TieredStore(kv.config(kv.dram(64), shared)) as store:
         store.put(ns, kv.tokens(1, start=90_000), kv.chunks(1))
-        _drained(store)
+        kv.written_through(store)
         server.pause()  # the worker waits on its next copy; the rest stay queued
         try:
             store.put(ns, kv.tokens(1, start=80_000), kv.chunks(1))  # the copy that waits
@@ -106,7 +102,7 @@ def test_a_block_deleted_before_its_copy_is_skipped_and_counted(redis_server_fac
             assert store.delete(ns, keys) == 6  # gone before their turn
         finally:
             server.resume()
-        _drained(store, timeout_s=20.0)
+        kv.written_through(store, timeout_s=20.0)
         counters = store.stats().tiers[REDIS]
         assert counters.write_through_skipped == 6 and counters.write_through_pending == 0
         assert counters.write_through_queued == (
@@ -122,7 +118,7 @@ def test_a_full_queue_drops_copies_and_counts_them(clean_redis: RedisServer) -> 
     ns = kv.namespace()
     with TieredStore(kv.config(kv.dram(64), shared)) as store:
         assert store.put(ns, kv.tokens(20), kv.chunks(20)) == 20  # the put itself is whole
-        _drained(store)
+        kv.written_through(store)
         counters = store.stats().tiers[REDIS]
         assert (counters.write_through_queued, counters.write_through_dropped) == (4, 16)
         assert counters.write_through_written == 4 and counters.write_through_pending == 0
@@ -138,7 +134,7 @@ def test_the_servers_own_the_shared_tiers_capacity(redis_server_factory) -> None
     shared = kv.redis(server.url, capacity=4 * kv.ARENA_SLOT)
     with TieredStore(kv.config(kv.dram(64), shared)) as store:
         store.put(ns, kv.tokens(40), kv.chunks(40))
-        _drained(store)
+        kv.written_through(store)
         counters = store.stats().tiers[REDIS]
         assert counters.evictions == 0 and counters.blocks == 40
         assert counters.capacity_bytes == 64 << 20  # the server's maxmemory, not ours
@@ -202,7 +198,7 @@ def test_a_shared_miss_is_remembered_for_a_moment(clean_redis: RedisServer) -> N
         assert host_b.lookup(ns, kv.tokens(4)).num_chunks == 0
         assert asked == [4]  # the second lookup knew the answer
         host_a.put(ns, kv.tokens(4), kv.chunks(4))
-        _drained(host_a)
+        kv.written_through(host_a)
         time.sleep(host_b.config.shared_miss_ttl_s)
         assert host_b.lookup(ns, kv.tokens(4)).tiers == (REDIS,) * 4
         assert asked == [4, 4]

@@ -114,3 +114,10 @@ def wait_until_up(store: TieredStore, kind: TierKind, timeout_s: float = 15.0) -
             pytest.fail(f"{kind.label} still down after {timeout_s} s")
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+def written_through(store: TieredStore, timeout_s: float = 10.0) -> None:
+    """Wait until every write-through copy queued so far has landed. A block being
+    copied is pinned, and ``demote`` passes over pinned blocks: a test that moves
+    blocks right after putting them waits here first."""
+    assert store.core.drain_write_through(time.monotonic() + timeout_s)
