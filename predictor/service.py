@@ -403,6 +403,16 @@ class PredictorService:
             },
         }
 
+    def sessions(self, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` sessions seen last (running ones first), each as ``session``
+        describes it: what an operator's listing shows."""
+        with self._lock:
+            states = self.tracker.all()
+        running = [s for s in states if s.active]
+        idle = sorted((s for s in states if not s.active), key=lambda s: -(s.idle_since or 0.0))
+        described = (self.session(state.session) for state in (running + idle)[:limit])
+        return [body for body in described if body is not None]
+
     def session(self, name: str) -> dict[str, Any] | None:
         """What the predictor knows of one session, with where its chain lies now (None:
         nothing; so before ``load``, as every event still waits in the queue)."""

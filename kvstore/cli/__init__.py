@@ -1,56 +1,104 @@
-"""``kvstore`` command line: run the daemon, or ask a running one how it is doing.
+"""The ``kvstore`` command: run the daemon, ask a running one, replay traces.
 
 ::
 
     kvstore serve [--config FILE]
-    kvstore stats [--url unix:///path/kvstore.sock | http://host:port] [--token TOKEN]
-                  [--config FILE] [--json]
-    kvstore replay TRACE --hbm-gb X --dram-gb Y --ssd-gb Z [--policy ...] [--json] [--plot DIR]
-    kvstore train-predictor TRACE... --out FILE [--format mooncake|tracelab]
+    kvstore stats | ready | namespaces [--json]
+    kvstore sessions [ID] [--limit N] [--json]
+    kvstore evict --namespace DIGEST [--tier T]      kvstore delete --namespace DIGEST
+    kvstore replay TRACE... --hbm-gb X --dram-gb Y --ssd-gb Z [--policy ...] [--json]
+    kvstore train-predictor TRACE... --out FILE
+    kvstore --version
 
-``stats`` finds the daemon's socket from the same config ``serve`` reads
-unless ``--url`` says otherwise; ``--token`` (or ``KVSTORE_AUTH_TOKEN``) is
-only needed over TCP. It prints the predictor's quality per horizon beside
-its two baselines. ``train-predictor`` writes a model a daemon starts from
-(``[predictor] weights = FILE``).
+The daemon commands (``kvstore.cli.admin``) find the daemon's socket from the
+config ``serve`` reads unless ``--url`` says otherwise; ``--token`` (or
+``KVSTORE_AUTH_TOKEN``) is only needed over TCP.
+
+Only the chosen command's module is imported, and only it builds its options:
+``kvstore --help`` and the daemon commands load neither torch, nor aiohttp, nor
+the store. A failure is one line on stderr and a non-zero exit, never a
+traceback; output cut short by a closed pipe (``kvstore namespaces | head``) ends
+quietly.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 
-from kvstore.config import TOKEN_VARIABLE
-from kvstore.errors import ConfigError, KVStoreError
-from kvstore.predictor.replay import commands as replay_commands
-from kvstore.server.config import ServiceConfig
+from kvstore.cli.admin import DAEMON_COMMANDS
+from kvstore.cli.daemon_client import CommandFailed
+
+_REPLAY_COMMANDS = {
+    "replay": "replay traces through the real store under several placement policies",
+    "train-predictor": "train the return-time model offline from traces",
+}
+_HELP = {"serve": "run the daemon", **DAEMON_COMMANDS, **_REPLAY_COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the daemon")
-    serve.add_argument("--config", help="TOML file (default: $KVSTORE_CONFIG, else built in)")
-    stats = commands.add_parser("stats", help="print a running daemon's statistics")
-    stats.add_argument("--url", help="unix:///path/to/kvstore.sock or http://host:port")
-    stats.add_argument("--token", help=f"bearer token for TCP (default: ${TOKEN_VARIABLE})")
-    stats.add_argument("--config", help="find the socket from this config file")
-    stats.add_argument("--json", action="store_true", help="print the raw JSON")
-    stats.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-    replay_commands.add_commands(commands)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = _parser(chosen)
     args = parser.parse_args(argv)
-    if args.command in replay_commands.COMMANDS:
+    try:
+        return _run(args)
+    except CommandFailed as failure:
+        print(f"kvstore {args.command}: {failure}", file=sys.stderr)
+        return failure.exit_code
+    except BrokenPipeError:
+        # The reader went away (``| head``): nothing to say, and nobody to say it to.
+        # Python would still complain flushing stdout at exit, so point it at /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _parser(chosen: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        description="A hierarchical KV-cache store for LLM inference: the daemon, "
+        "the commands that ask it, and the replay of traces.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvstore {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    if chosen in _REPLAY_COMMANDS:
+        from kvstore.predictor.replay import commands as replay_commands
+
+        replay_commands.add_commands(commands)
+    for name, help_text in _HELP.items():
+        if chosen in _REPLAY_COMMANDS and name in _REPLAY_COMMANDS:
+            continue
+        command = commands.add_parser(name, help=help_text, description=help_text)
+        if name != chosen:
+            continue
+        if name == "serve":
+            command.add_argument(
+                "--config", help="TOML file (default: $KVSTORE_CONFIG, else built in)"
+            )
+        elif name in DAEMON_COMMANDS:
+            from kvstore.cli import admin
+
+            admin.add_arguments(name, command)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command in _REPLAY_COMMANDS:
+        from kvstore.predictor.replay import commands as replay_commands
+
         return replay_commands.run(args)
     if args.command == "serve":
         return _serve(args.config)
-    return _stats(args)
+    from kvstore.cli import admin
+
+    return admin.run(args)
 
 
 def _serve(config_path: str | None) -> int:
-    from kvstore.errors import StartupError
+    from kvstore.errors import ConfigError, KVStoreError, StartupError
+    from kvstore.server.config import ServiceConfig
     from kvstore.server.run import Server, configure_logging
 
     try:
@@ -69,27 +117,13 @@ def _serve(config_path: str | None) -> int:
         return 1
 
 
-def _stats(args: argparse.Namespace) -> int:
-    # Here, not at the top: ``serve`` would spend tens of milliseconds importing httpx.
-    import httpx
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    from kvstore.cli.daemon_stats import fetch_stats, format_stats
-
-    url = args.url
-    if url is None:
-        try:
-            url = f"unix://{ServiceConfig.load(args.config).daemon.socket_path}"
-        except ConfigError as error:
-            print(f"kvstore stats: {error}", file=sys.stderr)
-            return 2
-    token = args.token or os.environ.get(TOKEN_VARIABLE)
     try:
-        data = fetch_stats(url, token=token, timeout_s=args.timeout)
-    except (httpx.HTTPError, KVStoreError) as error:
-        print(f"kvstore stats: {url}: {error}", file=sys.stderr)
-        return 1
-    print(json.dumps(data, indent=2) if args.json else format_stats(data))
-    return 0
+        return version("kvstore")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 if __name__ == "__main__":

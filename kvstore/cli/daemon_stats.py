@@ -1,4 +1,4 @@
-"""``kvstore stats``: a running daemon's ``/v1/stats``, fetched and printed as a table.
+"""``kvstore stats``: a daemon's ``/v1/stats`` as tables.
 
 The predictor's quality is printed per horizon beside its two baselines.
 """
@@ -7,32 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-
-from kvstore.errors import KVStoreError
-from kvstore.wire.codes import exception_from_body
-
-
-def fetch_stats(url: str, *, token: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
-    """``GET /v1/stats`` of the daemon at ``url`` (``unix://`` path or ``http://``)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if url.startswith("unix://"):
-        transport = httpx.HTTPTransport(uds=url[len("unix://") :])
-        base = "http://kvstore"
-    else:
-        transport = httpx.HTTPTransport()
-        base = url.rstrip("/")
-    with httpx.Client(transport=transport, base_url=base, timeout=timeout_s) as client:
-        response = client.get("/v1/stats", headers=headers)
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if response.status_code != 200:
-        raise exception_from_body(response.status_code, body)
-    if not isinstance(body, dict):
-        raise KVStoreError("the daemon answered /v1/stats without a JSON object")
-    return body
+from kvstore.cli.tables import duration, human_bytes, score, table
 
 
 def format_stats(data: dict[str, Any]) -> str:
@@ -40,7 +15,7 @@ def format_stats(data: dict[str, Any]) -> str:
     daemon = data.get("daemon", {})
     store = data.get("store", {})
     lines = [
-        f"kvstore daemon  pid {daemon.get('pid')}  up {_duration(daemon.get('uptime_s', 0))}"
+        f"kvstore daemon  pid {daemon.get('pid')}  up {duration(daemon.get('uptime_s', 0))}"
         f"  requests {daemon.get('requests_served', 0)}"
         f"  leases {daemon.get('leases_outstanding', 0)}"
         f" ({daemon.get('leased_blocks', 0)} blocks)",
@@ -49,9 +24,8 @@ def format_stats(data: dict[str, Any]) -> str:
     prefault = daemon.get("dram_prefault")
     if prefault:
         state = "done" if prefault.get("done") else "in progress"
-        lines.append(
-            f"DRAM arena prefault: {_bytes(prefault.get('populated_bytes', 0))} populated ({state})"
-        )
+        populated = human_bytes(prefault.get("populated_bytes", 0))
+        lines.append(f"DRAM arena prefault: {populated} populated ({state})")
     lines.append("")
     columns = [
         ("tier", None),
@@ -73,13 +47,9 @@ def format_stats(data: dict[str, Any]) -> str:
         row = [tier]
         for _, field in columns[1:]:
             value = counters.get(field, 0)
-            row.append(_bytes(value) if field and "bytes" in field else str(value))
+            row.append(human_bytes(value) if field and "bytes" in field else str(value))
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    for row in rows:
-        cells = [cell.rjust(width) for cell, width in zip(row, widths, strict=True)]
-        cells[0] = row[0].ljust(widths[0])
-        lines.append("  ".join(cells).rstrip())
+    lines += table(rows)
     asked = store.get("lookup_tokens", 0)
     hit = store.get("lookup_hit_tokens", 0)
     rate = f"{100 * hit / asked:.1f}%" if asked else "-"
@@ -128,42 +98,15 @@ def format_predictor(predictor: dict[str, Any]) -> list[str]:
             [
                 f"{horizon} s",
                 str(entry.get("n", 0)),
-                _score(entry.get("positive_rate")),
+                score(entry.get("positive_rate")),
                 *(_scores(entry, metric) for metric in ("auc", "brier", "log_loss")),
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["", "quality: predictor / base rate / last gap short"]
-    lines += [
-        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
-        for row in rows
-    ]
+    lines += ["", "quality: predictor / base rate / last gap short", *table(rows)]
     return lines
 
 
 def _scores(entry: dict[str, Any], metric: str) -> str:
     return "/".join(
-        _score(entry.get(model, {}).get(metric)) for model in ("predictor", "base_rate", "last_gap")
+        score(entry.get(model, {}).get(metric)) for model in ("predictor", "base_rate", "last_gap")
     )
-
-
-def _score(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _bytes(value: int) -> str:
-    amount = float(value)
-    for unit in ("B", "KiB", "MiB"):
-        if amount < 1024:
-            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
-        amount /= 1024
-    return f"{amount:.1f} GiB"
-
-
-def _duration(seconds: float) -> str:
-    seconds = float(seconds)
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"

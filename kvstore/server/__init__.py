@@ -24,8 +24,29 @@ May import: the format, the tiers, the store, the wire and the predictor
 (this is the one place that wires the predictor to a store); never the client.
 """
 
-from kvstore.server.app import create_app
-from kvstore.server.config import DaemonConfig, ServiceConfig
-from kvstore.server.run import Server
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.server.app import create_app
+    from kvstore.server.config import DaemonConfig, ServiceConfig
+    from kvstore.server.run import Server
 
 __all__ = ["DaemonConfig", "Server", "ServiceConfig", "create_app"]
+
+# Resolved on first use: ``kvstore stats`` reads the daemon's config to find its
+# socket, and must not import aiohttp and the whole daemon to do so.
+_HOMES = {
+    "create_app": "kvstore.server.app",
+    "DaemonConfig": "kvstore.server.config",
+    "ServiceConfig": "kvstore.server.config",
+    "Server": "kvstore.server.run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -40,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.predictor.service import PredictorService
+from kvstore.server.admin import add_admin_routes
 from kvstore.server.borrowed_body import close_borrowed
 from kvstore.server.config import DaemonConfig
 from kvstore.server.connection import is_local
@@ -115,6 +116,7 @@ def create_app(
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/v1/sessions/{session}", session_info)
     add_routes(app)
+    add_admin_routes(app)
     return app
 
 

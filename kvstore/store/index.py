@@ -132,6 +132,21 @@ class BlockIndex:
     def count(self, kind: TierKind) -> int:
         return sum(1 for meta in self._entries.values() if kind in meta.sizes)
 
+    def of_namespace(self, namespace: bytes) -> list[tuple[ChunkKey, BlockMeta]]:
+        """Every block of ``namespace`` the index knows, as a snapshot."""
+        return [(key, meta) for key, meta in self._entries.items() if meta.namespace == namespace]
+
+    def usage(self) -> dict[bytes, dict[TierKind, tuple[int, int]]]:
+        """(blocks, stored bytes) of each tier, per namespace: one pass over the index,
+        for an operator's question, not for a request path."""
+        usage: dict[bytes, dict[TierKind, tuple[int, int]]] = {}
+        for meta in self._entries.values():
+            tiers = usage.setdefault(meta.namespace, {})
+            for kind, nbytes in meta.sizes.items():
+                blocks, total = tiers.get(kind, (0, 0))
+                tiers[kind] = (blocks + 1, total + nbytes)
+        return usage
+
     def by_tier(self, keys: Sequence[ChunkKey]) -> dict[TierKind, list[ChunkKey]]:
         """``keys`` grouped by each tier holding them, in the order given."""
         grouped: dict[TierKind, list[ChunkKey]] = {}

@@ -6,8 +6,10 @@ Mutated only with the store lock held; ``snapshot`` copies them for readers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 
+from kvstore.keys import Namespace
 from kvstore.tiers.kinds import TierKind
 
 
@@ -69,3 +71,43 @@ class StoreStats:
         data = dataclasses.asdict(self)
         data["tiers"] = {kind.label: dataclasses.asdict(c) for kind, c in self.tiers.items()}
         return data
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """What one namespace holds: blocks and stored bytes per tier, as this store's index
+    knows them (a shared tier may also hold blocks other hosts put). ``namespace`` is
+    ``None`` for blocks found on disk whose namespace no client has registered since
+    the store started."""
+
+    digest: bytes
+    namespace: Namespace | None
+    tiers: dict[TierKind, tuple[int, int]]
+
+    def to_dict(self) -> dict[str, object]:
+        namespace = self.namespace
+        return {
+            "namespace": self.digest.hex(),
+            "model": None if namespace is None else namespace.model,
+            "layout": None if namespace is None else dataclasses.asdict(namespace.layout),
+            "tenant_salt_sha256": None if namespace is None else _salt_hash(namespace),
+            "tiers": {
+                kind.label: {"blocks": blocks, "bytes": nbytes}
+                for kind, (blocks, nbytes) in sorted(self.tiers.items())
+            },
+        }
+
+
+@dataclass(frozen=True)
+class NamespaceEviction:
+    """What ``TieredStore.evict_namespace`` did: blocks that left the tier, and blocks
+    that stayed because a read or a lease held them pinned."""
+
+    evicted: int
+    pinned: int
+
+
+def _salt_hash(namespace: Namespace) -> str | None:
+    """A short hash of the tenant salt: enough to tell tenants apart, not to learn it."""
+    salt = namespace.tenant_salt
+    return None if salt is None else hashlib.sha256(salt.encode()).hexdigest()[:12]

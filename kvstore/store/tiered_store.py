@@ -33,7 +33,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from kvstore.block import Block
-from kvstore.errors import LayoutMismatch
+from kvstore.errors import ConfigError, LayoutMismatch, UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.store.closing import Closing
@@ -43,7 +43,7 @@ from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.index import BlockMeta
 from kvstore.store.maintenance import Maintenance
 from kvstore.store.placement import Admission
-from kvstore.store.stats import StoreStats
+from kvstore.store.stats import NamespaceEviction, NamespaceUsage, StoreStats
 from kvstore.tiers.base import Tier
 from kvstore.tiers.kinds import TierKind
 
@@ -299,17 +299,71 @@ class TieredStore(Closing):
         until then it stays readable, which serves nothing stale: a key names
         its content.
         """
-        deleted = 0
         with self.core.lock:
             self.core.check_open()
-            for key in keys:
-                meta = self.core.index.get(key)
-                if meta is not None and meta.pins:
-                    meta.deleted = True
-                    deleted += 1
-                    continue
-                deleted += self.core.placement.forget_everywhere(namespace.digest, key)
+            return self._delete(namespace.digest, keys)
+
+    def _delete(self, digest: bytes, keys: Sequence[ChunkKey]) -> int:
+        deleted = 0
+        for key in keys:
+            meta = self.core.index.get(key)
+            if meta is not None and meta.pins:
+                meta.deleted = True
+                deleted += 1
+                continue
+            deleted += self.core.placement.forget_everywhere(digest, key)
         return deleted
+
+    # -- whole namespaces (an operator's commands) ------------------------
+
+    def namespace_usage(self) -> list[NamespaceUsage]:
+        """Every namespace the store holds blocks of or has registered, with its blocks
+        and bytes per tier, largest first."""
+        with self.core.lock:
+            usage = self.core.index.usage()
+            registered = {ns.digest: ns for ns in self.core.registered_namespaces()}
+        digests = set(usage) | set(registered)
+        rows = [NamespaceUsage(d, registered.get(d), usage.get(d, {})) for d in digests]
+        return sorted(rows, key=lambda row: (-sum(b for _, b in row.tiers.values()), row.digest))
+
+    def evict_namespace(self, digest: bytes, tier: TierKind) -> NamespaceEviction:
+        """Move every unpinned block of namespace ``digest`` out of ``tier`` as pressure
+        would (written back where the policy says, dropped from the last tier). A shared
+        tier whose servers own its capacity is refused: other hosts read those blocks,
+        and ``delete_namespace`` is the explicit way to remove them."""
+        placement = self.core.placement
+        if tier not in placement.tiers:
+            raise ConfigError(f"no {tier.label} tier is configured")
+        if tier in placement.server_owned:
+            raise ConfigError(
+                f"the {tier.label} servers own that tier's capacity: blocks there are "
+                "evicted by them, or removed with delete"
+            )
+        with self.core.lock:
+            self.core.check_open()
+            blocks = self._namespace_blocks(digest)
+            held = [(key, meta) for key, meta in blocks if tier in meta.sizes]
+            victims = [(key, meta) for key, meta in held if not meta.pins]
+            evicted = placement.evict_many(tier, victims) if victims else 0
+            return NamespaceEviction(evicted, len(held) - len(victims))
+
+    def delete_namespace(self, digest: bytes) -> int:
+        """Delete every block of namespace ``digest`` this store knows of, from every tier
+        (pinned ones when their last pin goes, as ``delete``); how many. Blocks other
+        hosts put in a shared tier and this store never saw stay, to the servers'
+        eviction."""
+        with self.core.lock:
+            self.core.check_open()
+            keys = [key for key, _ in self._namespace_blocks(digest)]
+            return self._delete(digest, keys)
+
+    def _namespace_blocks(self, digest: bytes) -> list[tuple[ChunkKey, BlockMeta]]:
+        """The blocks of namespace ``digest``; ``UnknownNamespace`` if it has none and
+        is not registered (a mistyped digest is an error, not "nothing to do")."""
+        blocks = self.core.index.of_namespace(digest)
+        if not blocks and digest not in {ns.digest for ns in self.core.registered_namespaces()}:
+            raise UnknownNamespace(f"namespace {digest.hex()} holds nothing here")
+        return blocks
 
     def scrub(self, batch: int = 64) -> int:
         """Re-verify the blocks of the memory tiers; how many failed (``Maintenance.scrub``)."""

@@ -174,6 +174,10 @@ class SessionTracker:
     def get(self, session: str) -> SessionState | None:
         return self._sessions.get(session)
 
+    def all(self) -> list[SessionState]:
+        """Every session tracked, as a snapshot."""
+        return list(self._sessions.values())
+
     def idle(self) -> list[SessionState]:
         """Sessions with no running request that have finished at least one."""
         return [s for s in self._sessions.values() if s.running == 0 and s.idle_since is not None]
