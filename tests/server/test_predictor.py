@@ -3,11 +3,7 @@ socket are learnt from and acted on in the real store; quality shows in ``/v1/st
 ``kvstore stats`` and ``/metrics``; the model survives SIGTERM and a restart; a model
 from ``kvstore train-predictor`` starts a daemon.
 
-Event times are given (the ``time`` field): the daemon's predictor runs on the clock
-of the events it receives, so an hour of idle time is one event an hour later. Those
-streams keep a clock of their own (``T0``), so their daemons are told to take event
-times that far from theirs (``OWN_CLOCK``); a daemon left at its defaults refuses an
-event off its clock, and its predictor never sees it.
+The event streams keep a clock of their own (``support.predictor_events``).
 """
 
 from __future__ import annotations
@@ -25,6 +21,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import kv
 from support.daemon import Daemon, DaemonStartError
 from support.http_kv import frames_body, get_bytes, lookup, make_chain, put_raw, register
+from support.predictor_events import (
+    OWN_CLOCK,
+    RETURNING_SESSIONS,
+    T0,
+    finished,
+    post,
+    processed,
+    returning_sessions,
+    started,
+    stats,
+)
 
 from kvstore.cli import main
 from kvstore.cli.daemon_stats import format_stats
@@ -33,10 +40,8 @@ from kvstore.predictor.learning.features import feature_names, feature_vector
 from kvstore.predictor.learning.model import ReturnModel, default_prior
 from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.service import MODEL_FILE
-from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
+from kvstore.wire.events import RequestStarted, Trigger
 
-T0 = 1_800_000_000.0
-OWN_CLOCK = {"event_time_ahead_s": 1e10, "event_time_behind_s": 1e10}
 STORE_TOML = """\
 data_dir = "{{data_dir}}"
 
@@ -57,35 +62,6 @@ def config(dram_slots: int = 64, **predictor: Any) -> str:
     return STORE_TOML.format(dram_bytes=dram_slots * kv.ARENA_SLOT, predictor=lines)
 
 
-def post(client: httpx.Client, *events: SessionEvent) -> None:
-    for event in events:
-        response = client.post("/v1/events", json=event.to_json())
-        assert response.status_code == 200 and response.json() == {"accepted": True}
-
-
-def started(session: str, at: float) -> RequestStarted:
-    return RequestStarted(session, Trigger.USER, 1000, 0, at)
-
-
-def finished(session: str, at: float) -> RequestFinished:
-    return RequestFinished(session, 2, 80, 1080, False, 0, 1000, at)
-
-
-def stats(client: httpx.Client, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """``/v1/stats`` once ``until(predictor part)`` holds (the queue is worked off)."""
-    deadline = time.monotonic() + 20.0
-    while True:
-        body = client.get("/v1/stats").json()
-        if until(body["predictor"]) or time.monotonic() > deadline:
-            assert until(body["predictor"]), body["predictor"]
-            return body
-        time.sleep(0.05)
-
-
-def processed(count: int) -> Callable[[dict[str, Any]], bool]:
-    return lambda predictor: predictor["events_processed"] >= count
-
-
 def session(client: httpx.Client, name: str) -> dict[str, Any]:
     response = client.get(f"/v1/sessions/{name}")
     assert response.status_code == 200, response.text
@@ -98,15 +74,7 @@ def test_the_daemon_learns_reports_and_keeps_its_model_across_a_restart(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
     daemon = daemon_factory(config(), daemon=OWN_CLOCK)
-    events: list[SessionEvent] = []
-    for i in range(20):  # ten come back after 30 s, ten never do
-        at = T0 + 10 * i
-        events += [started(f"s{i}", at), finished(f"s{i}", at + 5)]
-        if i % 2 == 0:
-            events.append(started(f"s{i}", at + 35))
-    events.sort(key=lambda event: event.time)
-    # An hour later every horizon has passed; the probe goes idle after all labels are known.
-    events += [started("probe", T0 + 4000), finished("probe", T0 + 4010)]
+    events = returning_sessions()
     with daemon.client() as client:
         post(client, *events)
         body = stats(client, processed(len(events)))
@@ -114,7 +82,7 @@ def test_the_daemon_learns_reports_and_keeps_its_model_across_a_restart(
         assert predictor["model"]["source"] == "prior" and predictor["events_failed"] == 0
         for horizon in ("60", "600", "3600"):
             entry = predictor["quality"][horizon]
-            assert entry["n"] == 20 and entry["positive_rate"] == 0.5
+            assert entry["n"] == RETURNING_SESSIONS and entry["positive_rate"] == 0.5
         table = format_stats(body)
         assert "quality: predictor / base rate / last gap short" in table
         assert "3600 s" in table and "model from prior" in table
@@ -132,7 +100,7 @@ def test_the_daemon_learns_reports_and_keeps_its_model_across_a_restart(
         labels = {
             s.labels["horizon"]: s.value for s in families["kvstore_predictor_labels"].samples
         }
-        assert labels == {"60": 20.0, "600": 20.0, "3600": 20.0}
+        assert labels == {h: RETURNING_SESSIONS for h in ("60", "600", "3600")}
         prefetches = families["kvstore_predictor_prefetches"].samples
         assert {s.labels["outcome"] for s in prefetches} == {"issued", "used", "wasted"}
         before = session(client, "probe")["forecast"]
