@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,13 +14,10 @@ import httpx
 from support import kv
 from support.daemon import Daemon
 from support.http_kv import frames_body, lookup, make_chain, put_raw, register
+from support.predictor_events import OWN_CLOCK, T0, finished, post, processed, started, stats
 
 from kvstore.keys import Namespace
 from kvstore.tiers.local_redis import RedisServer
-from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
-
-T0 = 1_800_000_000.0
-OWN_CLOCK = {"event_time_ahead_s": 1e10, "event_time_behind_s": 1e10}
 
 
 def kvstore(*args: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
@@ -130,16 +126,8 @@ def test_sessions_lists_the_predictors_sessions_and_shows_one(
 ) -> None:
     daemon = daemon_factory(daemon=OWN_CLOCK)
     with daemon.client() as client:
-        for event in (
-            RequestStarted("alice", Trigger.USER, 1000, 0, T0),
-            RequestFinished("alice", 2, 80, 1080, False, 0, 1000, T0 + 5),
-            RequestStarted("bob", Trigger.USER, 1000, 0, T0 + 6),
-        ):
-            assert client.post("/v1/events", json=event.to_json()).status_code == 200
-        deadline = time.monotonic() + 20.0
-        while client.get("/v1/stats").json()["predictor"]["events_processed"] < 3:
-            assert time.monotonic() < deadline, "the daemon did not work off its events"
-            time.sleep(0.05)
+        post(client, started("alice", T0), finished("alice", T0 + 5), started("bob", T0 + 6))
+        stats(client, processed(3))
     listed = answer(daemon, "sessions")
     assert [(s["session"], s["active"]) for s in listed["sessions"]] == [
         ("bob", True),
