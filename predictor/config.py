@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstore.config import env_table, expand_path, field_kinds
 from kvstore.errors import ConfigError
+from kvstore.predictor.placement.decisions import DEFAULT_KEPT
 
 ENV_PREFIX = "KVSTORE_PREDICTOR_"
 
@@ -40,7 +41,9 @@ class PredictorConfig:
     ``queue_size`` (a full queue drops and counts them: events are advisory;
     those that come before the model is loaded wait there for it); ``tick_s``
     is the timer that labels passed horizons and re-places idle sessions; a
-    session idle for ``forget_after_s`` is forgotten.
+    session idle for ``forget_after_s`` is forgotten. The latest
+    ``decisions_kept`` placement decisions are kept for ``GET /v1/decisions``
+    (``placement.decisions``).
     """
 
     enabled: bool = True
@@ -50,6 +53,7 @@ class PredictorConfig:
     save_interval_s: float = 300.0
     queue_size: int = 10_000
     forget_after_s: float = 86_400.0
+    decisions_kept: int = DEFAULT_KEPT
 
     def __post_init__(self) -> None:
         horizons = self.horizons_s
@@ -61,8 +65,9 @@ class PredictorConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"predictor.{name} must be a positive number of seconds")
-        if self.queue_size <= 0:
-            raise ConfigError("predictor.queue_size must be positive")
+        for name in ("queue_size", "decisions_kept"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"predictor.{name} must be positive")
 
     @classmethod
     def from_mapping(
@@ -100,9 +105,9 @@ def _predictor_value(name: str, value: Any) -> Any:
         if not isinstance(value, list | tuple) or not all(_is_number(h) for h in value):
             raise ConfigError(f"predictor.horizons_s must be a list of seconds, not {value!r}")
         return tuple(float(h) for h in value)
-    if name == "queue_size":
+    if name in ("queue_size", "decisions_kept"):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"predictor.queue_size must be an integer, not {value!r}")
+            raise ConfigError(f"predictor.{name} must be an integer, not {value!r}")
         return value
     if not _is_number(value):
         raise ConfigError(f"predictor.{name} must be a number of seconds, not {value!r}")

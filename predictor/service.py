@@ -69,6 +69,7 @@ from kvstore.predictor.learning.features import feature_names
 from kvstore.predictor.learning.online import OnlineLearner
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionTracker
+from kvstore.predictor.placement.decisions import DecisionLog
 from kvstore.predictor.placement.policy import PlacementPolicy, PlannedPrefetch
 from kvstore.store.tiered_store import TieredStore
 from kvstore.wire.events import UNNAMED, RequestStarted, SessionEvent
@@ -84,6 +85,8 @@ MODEL_FILE = Path("predictor") / "model.pt"
 _BATCH = 256  # events handled per hop to a worker thread
 _PUT_CHAINS = 100_000  # sessions whose latest put chain is remembered
 _BASELINES = (("predictor", ""), ("base_rate", "base_rate_"), ("last_gap", "last_gap_"))
+SESSION_DECISIONS = 10
+"""The latest decisions of a session that ``session`` reports."""
 
 
 def load_model(config: PredictorConfig, saved: Path) -> tuple[ReturnModel, str]:
@@ -163,7 +166,9 @@ class PredictorService:
         self.tracker = SessionTracker()
         self.learner: OnlineLearner | None = None  # made by ``load``
         # Prefetches run after the store's lock is let go (``_prefetch``).
-        self.policy = PlacementPolicy(defer_prefetches=True)
+        self.policy = PlacementPolicy(
+            defer_prefetches=True, decisions=DecisionLog(config.decisions_kept)
+        )
         self.processed = 0
         self.dropped = 0
         self.failed = 0
@@ -414,8 +419,9 @@ class PredictorService:
         return [body for body in described if body is not None]
 
     def session(self, name: str) -> dict[str, Any] | None:
-        """What the predictor knows of one session, with where its chain lies now (None:
-        nothing; so before ``load``, as every event still waits in the queue)."""
+        """What the predictor knows of one session, with where its chain lies now and the
+        latest ``SESSION_DECISIONS`` decisions on it (None: nothing; so before ``load``,
+        as every event still waits in the queue)."""
         with self._lock:
             driver, learner = self._driver, self.learner
             state = self.tracker.get(name)
@@ -438,7 +444,24 @@ class PredictorService:
                 },
             }
         body["chain"] = None if digest is None else _where(driver.store, digest, chain)
+        body["decisions"] = self.decisions(name, SESSION_DECISIONS)["decisions"]
         return body
+
+    def decisions(self, session: str | None, limit: int) -> dict[str, Any]:
+        """The policy's latest ``limit`` decisions, newest first, of ``session`` only if
+        given; ``recorded`` counts all it ever logged (the log keeps the latest
+        ``decisions_kept``). Copied under the store's lock, the log's writers' lock."""
+        log = self.policy.decisions
+        store = self._store
+        assert store is not None, "attach() the store first"
+        with store.locked():
+            latest = log.latest(session, limit)
+            recorded = log.recorded
+        return {
+            "decisions": [decision.to_dict() for decision in latest],
+            "recorded": recorded,
+            "kept": log.kept,
+        }
 
 
 def _where(store: TieredStore, digest: bytes, chain: tuple[ChunkKey, ...]) -> dict[str, Any]:

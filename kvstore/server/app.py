@@ -63,7 +63,7 @@ from kvstore.server.state import (
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.kinds import TierKind
-from kvstore.wire.codes import ERRORS, ErrorCode, error_body, error_code_of
+from kvstore.wire.codes import ERRORS, ErrorCode, WireError, error_body, error_code_of
 from kvstore.wire.events import MAX_SESSION_CHARS
 
 log = logging.getLogger("kvstore.server")
@@ -74,6 +74,9 @@ _OPEN_PATHS = frozenset({"/healthz"})
 _PROBE_TIMEOUT_S = 5.0
 _PROBE_NAMESPACE = bytes(16)
 _PROBE_KEY = ChunkKey(bytes(16))
+# How many decisions GET /v1/decisions returns by default, and at most.
+DECISIONS_DEFAULT = 100
+DECISIONS_LIMIT = 1000
 # An error response to a body it did not read waits this long for the client
 # to stop sending (aiohttp reads and discards the rest meanwhile).
 _LINGERING_TIME_S = 2.0
@@ -115,6 +118,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/v1/sessions/{session}", session_info)
+    app.router.add_get("/v1/decisions", decisions)
     add_routes(app)
     add_admin_routes(app)
     return app
@@ -345,6 +349,24 @@ async def session_info(request: web.Request) -> web.Response:
     body = await asyncio.to_thread(predictor.session, name)
     if body is None:
         return error_response(ErrorCode.NOT_FOUND, f"no session {name[:MAX_SESSION_CHARS]!r}")
+    return web.json_response(body)
+
+
+async def decisions(request: web.Request) -> web.Response:
+    """The predictor's latest placement decisions, newest first: ``?session=`` only that
+    session's; ``?limit=`` how many (``DECISIONS_DEFAULT``; at most ``DECISIONS_LIMIT``)."""
+    predictor = request.app.get(PREDICTOR)
+    if predictor is None:
+        return error_response(ErrorCode.NOT_FOUND, "the predictor is disabled")
+    try:
+        limit = int(request.query.get("limit", DECISIONS_DEFAULT))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= DECISIONS_LIMIT:
+        raise WireError(
+            ErrorCode.BAD_REQUEST, f"limit must be an integer from 1 to {DECISIONS_LIMIT}"
+        )
+    body = await asyncio.to_thread(predictor.decisions, request.query.get("session"), limit)
     return web.json_response(body)
 
 

@@ -5,6 +5,7 @@
     hooks.py      the session-policy protocol (on_idle, on_resume, tick), forecasts, prefetch counts
     policy.py     PlacementPolicy: placement and eviction by forecast return
     ranking.py    eviction order inside a tier; where between horizons returns fall
+    decisions.py  the log of what the policy decided for each session, and why
     baselines.py  LRU and a fixed idle timeout, with the same hooks
 
 Every policy here is also the store's ``EvictionPolicy`` (``kvstore.store.eviction``).

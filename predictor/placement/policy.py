@@ -37,6 +37,10 @@ result on its way), the chain is promoted ahead of the return: a prefetch.
 ``on_resume`` prefetches too: a request-began event means the lookup is next.
 ``prefetches`` counts what became of them.
 
+Every placement, demotion, write-down copy and prefetch, and every eviction of
+a session's blocks, is logged with its reason and forecast in ``decisions``
+(``placement.decisions``), for an operator asking why a chain lies where it does.
+
 A prefetch reads the chain from a slower tier (LMDB, Redis: milliseconds per
 MiB), and the hooks run under the store's lock. With ``defer_prefetches`` a
 hook only plans it (``PlannedPrefetch``); the caller takes the plans
@@ -65,6 +69,7 @@ classifier at the model's horizons.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -72,6 +77,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.predictor.placement.decisions import Action, Decision, DecisionLog, Reason, Why
 from kvstore.predictor.placement.hooks import (
     Forecast,
     IdleSession,
@@ -153,13 +159,15 @@ class _Session:
 class PlannedPrefetch:
     """A prefetch a hook decided on: promote ``keys`` (the cached head of a session's
     chain) to tier ``to``; ``sources`` are the keys held only slower than ``to``
-    when it was planned, with their fastest tier; ``planned_at`` the hook's ``now``."""
+    when it was planned, with their fastest tier; ``planned_at`` the hook's ``now``;
+    ``decision`` the record of the plan, which the record of its run repeats."""
 
     namespace: Namespace
     keys: tuple[ChunkKey, ...]
     to: TierKind
     sources: tuple[tuple[ChunkKey, TierKind], ...]
     planned_at: float
+    decision: Decision
 
 
 # One session's place in a tier's eviction order: (p within horizon, p at all, recency).
@@ -169,16 +177,24 @@ FULL = 0.95  # a tier this full is under pressure: a chain must outrank its next
 _RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
 _ACTIVE: tuple[float, float] = (INF, INF)
 _UNKNOWN: tuple[float, float] = (0.0, 0.0)
+_TOOL_RUNNING = Why(Reason.TOOL_RUNNING)
+_NO_FORECAST = Why(Reason.NO_FORECAST)
+_RESUMED = Why(Reason.RESUMED)
 
 
 class PlacementPolicy:
     """Idle placement and eviction by forecast return; see the module docstring."""
 
     def __init__(
-        self, config: PlacementConfig | None = None, *, defer_prefetches: bool = False
+        self,
+        config: PlacementConfig | None = None,
+        *,
+        defer_prefetches: bool = False,
+        decisions: DecisionLog | None = None,
     ) -> None:
         self.config = config if config is not None else PlacementConfig()
         self.defer_prefetches = defer_prefetches
+        self.decisions = decisions if decisions is not None else DecisionLog()
         self._planned: list[PlannedPrefetch] = []
         self.prefetches = PrefetchStats()
         self.gaps = GapShape()
@@ -199,6 +215,11 @@ class PlacementPolicy:
         self._store: TieredStore | None = None  # the store the hooks were last called with
         self._linked: dict[TierKind, dict[ChunkKey, ChunkKey]] = {k: {} for k in TierKind}
         self._children: dict[TierKind, dict[ChunkKey, int]] = {k: {} for k in TierKind}
+        # Eviction logging: the keys the last walk of each tier offered (``victims``),
+        # and the records of what left at ``_now``, by (session, from, to) (``_evicted``).
+        self._offered: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
+        self._evictions: dict[tuple[str, TierKind, TierKind | None], Decision] = {}
+        self._evictions_at = 0.0
 
     # -- EvictionPolicy ----------------------------------------------------
 
@@ -233,7 +254,12 @@ class PlacementPolicy:
             ranking.rank(owner, self._rank(state, tier))
 
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
-        self._tiers[tier].remove(key)
+        ranking = self._tiers[tier]
+        if key in self._offered[tier] and key not in self._moving:  # pushed out by pressure
+            owner = ranking.owner.get(key)
+            if owner is not None:
+                self._evicted(tier, key, owner)
+        ranking.remove(key)
         parent = self._linked[tier].pop(key, None)
         if parent is not None:
             children = self._children[tier]
@@ -256,6 +282,30 @@ class PlacementPolicy:
             self._owner.pop(key, None)
             self._parent.pop(key, None)
 
+    def _evicted(self, tier: TierKind, key: ChunkKey, owner: str) -> None:
+        """Count ``key`` of session ``owner`` as evicted from ``tier`` to the fastest tier
+        still holding it (None: dropped), in one record per session, tier and
+        destination at each ``now`` (the daemon's puts evict one block per walk)."""
+        entered = self._entered
+        to = next((kind for kind, held in entered.items() if kind > tier and key in held), None)
+        evictions = self._evictions
+        if self._evictions_at != self._now:
+            evictions.clear()
+            self._evictions_at = self._now
+        record = evictions.get((owner, tier, to))
+        if record is not None:
+            record.chunks += 1
+            return
+        session = self._sessions.get(owner)
+        if session is None:
+            return
+        if session.active:
+            why = Why(Reason.PRESSURE_RUNNING, tier)
+        else:
+            stay = self.stay(tier)
+            why = Why(Reason.PRESSURE, tier, self._chance(session, stay, self._now), stay)
+        evictions[(owner, tier, to)] = self._decide(session, Action.EVICT, tier, to, 1, why)
+
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
         """Leaves only: a block with a child in the same tier stays, so a shared prefix
         outlives every chain that extends it, whoever touched it last. A block whose
@@ -263,6 +313,7 @@ class PlacementPolicy:
         goes tail first, so one walk can free a whole chain, not only its tail (the
         store skips a pinned block, and a request pins its whole prefix with it)."""
         children, parents = self._children[tier], self._linked[tier]
+        walked = self._offered[tier] = set()  # what leaves of it is logged (``on_remove``)
         offered: dict[ChunkKey, int] = {}  # children of each block offered in this walk
         for key in itertools.chain(self._anonymous.victims(tier), self._tiers[tier].victims()):
             if children.get(key, 0) > offered.get(key, 0):
@@ -270,6 +321,7 @@ class PlacementPolicy:
             parent = parents.get(key)
             if parent is not None:
                 offered[parent] = offered.get(parent, 0) + 1
+            walked.add(key)
             yield key
 
     def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
@@ -320,7 +372,7 @@ class PlacementPolicy:
         session.state = state
         session.target = None
         self._link(state.chain)
-        return self._place(store, session, now)
+        return self._place(store, session, now, fresh=True)
 
     def on_forecast(
         self, store: TieredStore, state: IdleSession, forecast: Forecast, now: float
@@ -331,7 +383,7 @@ class PlacementPolicy:
         if session is None or session.active:
             return
         self._forecast(session, forecast, now)
-        self._place(store, session, now)
+        self._place(store, session, now, fresh=True)
 
     def _forecast(self, session: _Session, forecast: Forecast | None, now: float) -> None:
         session.forecast = forecast
@@ -352,7 +404,7 @@ class PlacementPolicy:
         session.epoch += 1
         self._link(state.chain)
         self._rerank(session)
-        self._prefetch(store, session, store.tier_kinds[0])
+        self._prefetch(store, session, store.tier_kinds[0], _RESUMED)
 
     def tick(self, store: TieredStore, now: float) -> None:
         """Re-place the idle sessions whose next look is due."""
@@ -361,13 +413,16 @@ class PlacementPolicy:
             _, _, epoch, name = heapq.heappop(self._checks)
             session = self._sessions.get(name)
             if session is not None and session.epoch == epoch and not session.active:
-                self._place(store, session, now)
+                self._place(store, session, now, fresh=False)
 
     # -- placement ---------------------------------------------------------
 
-    def _place(self, store: TieredStore, session: _Session, now: float) -> TierKind:
+    def _place(
+        self, store: TieredStore, session: _Session, now: float, *, fresh: bool
+    ) -> TierKind:
         """Move an idle session's chain where its forecast says for its idle time so far,
-        then schedule the next look (sooner while the idle time is short)."""
+        then schedule the next look (sooner while the idle time is short). ``fresh``: a
+        new forecast, whose placement is logged even if its target is the one before."""
         order = store.tier_kinds
         state = session.state
         assert state is not None
@@ -377,15 +432,8 @@ class PlacementPolicy:
         if state.tool_running:  # a tool result is on its way back
             target = order[0]
         else:
-            target = next(
-                (
-                    kind
-                    for kind in order
-                    if self._chance(session, self.stay(kind), now)
-                    >= self.config.keep_at(kind)
-                ),
-                None,
-            )
+            keep = self.config.keep_at
+            target = next((kind for kind in order if chances[kind][0] >= keep(kind)), None)
         # The chain stays in a tier at least as fast as its target, and in a faster one
         # while that has room or the chain outranks its next victim (current pressure):
         # holding it there costs nothing until someone else needs the space.
@@ -398,29 +446,14 @@ class PlacementPolicy:
             placed = order[order.index(placed) + 1]
         level = self._level(session.name)
         namespace = session_namespace(store, state)
-        rising = target is not None and (session.target is None or target < session.target)
-        session.target = target
+        previous, session.target = session.target, target
         if namespace is not None and level is not None:
-            if (
-                rising
-                and target is not None
-                and target < level
-                and self._fits(store, target, session.name, chances)
-            ):
-                self._prefetch(store, session, target)
-                placed = target
-            elif placed > level:
-                self._demote(store, namespace, session.name, placed)
-            # Copy the chain down now, while nobody waits, so the eviction that comes when
-            # someone needs the room writes nothing on that request's clock: to its
-            # target when it is kept faster only for the room; else one tier down, if
-            # that tier has room (in a full one the copy would push out someone's block).
-            if target is not None and target > placed:
-                self._write_down(store, namespace, session.name, placed, target)
-            elif placed != order[-1]:
-                below = order[order.index(placed) + 1]
-                if self._has_room(store, below):
-                    self._write_down(store, namespace, session.name, placed, below)
+            why = self._why_target(session, target, order, chances)
+            if fresh or target != previous:
+                held = len(self._tiers[level].blocks[session.name])
+                self._decide(session, Action.PLACE, level, target, held, why)
+            rising = target is not None and (previous is None or target < previous)
+            placed = self._move(store, session, namespace, level, placed, rising, chances, why)
         if self._level(session.name) is None:
             del self._sessions[session.name]  # nothing left to place
         else:
@@ -432,6 +465,102 @@ class PlacementPolicy:
             check = (now + wait, next(self._sequence), session.epoch, session.name)
             heapq.heappush(self._checks, check)
         return placed
+
+    def _move(
+        self,
+        store: TieredStore,
+        session: _Session,
+        namespace: Namespace,
+        level: TierKind,
+        placed: TierKind,
+        rising: bool,
+        chances: dict[TierKind, tuple[float, float]],
+        why: Why,
+    ) -> TierKind:
+        """Move the chain of ``session``, whose fastest block lies in ``level``, to
+        ``placed``, or prefetch it to its target (``rising``, ``why``); copy it down
+        ahead of eviction; returns where it is kept."""
+        target, name, order = session.target, session.name, store.tier_kinds
+        if (
+            rising
+            and target is not None
+            and target < level
+            and self._fits(store, target, name, chances)
+        ):
+            self._prefetch(store, session, target, why)
+            placed = target
+        elif placed > level:
+            outranked = self._why_not(order[order.index(placed) - 1], name, chances)
+            moved = self._demote(store, namespace, name, placed)
+            if moved:
+                self._decide(session, Action.DEMOTE, level, placed, moved, outranked)
+        # Copy the chain down now, while nobody waits, so the eviction that comes when
+        # someone needs the room writes nothing on that request's clock: to its target
+        # when it is kept faster only for the room; else one tier down, if that tier
+        # has room (in a full one the copy would push out someone's block).
+        if target is not None and target > placed:
+            written = self._write_down(store, namespace, name, placed, target)
+            if written:
+                if self._has_room(store, placed):
+                    kept = Why(Reason.KEPT_ROOM, placed)
+                else:
+                    p, rival = chances[placed][0], self._marginal(placed, name)[0]
+                    kept = Why(Reason.KEPT_OUTRANKS, placed, p, rival=rival)
+                self._decide(session, Action.WRITE_DOWN, placed, target, written, kept)
+        elif placed != order[-1]:
+            below = order[order.index(placed) + 1]
+            if self._has_room(store, below):
+                written = self._write_down(store, namespace, name, placed, below)
+                if written:
+                    ahead = Why(Reason.COPY_AHEAD, below)
+                    self._decide(session, Action.WRITE_DOWN, placed, below, written, ahead)
+        return placed
+
+    def _why_target(
+        self,
+        session: _Session,
+        target: TierKind | None,
+        order: Sequence[TierKind],
+        chances: dict[TierKind, tuple[float, float]],
+    ) -> Why:
+        """Why the forecast calls for ``target``: the first tier whose keep the chance
+        meets, or (None) the slowest one's that it misses."""
+        assert session.state is not None
+        if session.state.tool_running:
+            return _TOOL_RUNNING
+        if session.forecast is None:
+            return _NO_FORECAST
+        kind = target if target is not None else order[-1]
+        reason = Reason.LIKELY if target is not None else Reason.UNLIKELY
+        return Why(reason, kind, chances[kind][0], self.stay(kind), self.config.keep_at(kind))
+
+    def _why_not(
+        self, kind: TierKind, name: str, chances: dict[TierKind, tuple[float, float]]
+    ) -> Why:
+        """Why session ``name`` does not stay in ``kind``, a tier faster than its target
+        that is full: its chance misses the keep, and the next victim there outranks it."""
+        p, rival = chances[kind][0], self._marginal(kind, name)[0]
+        horizon, keep = self.stay(kind), self.config.keep_at(kind)
+        if rival == INF:
+            return Why(Reason.FULL_OF_RUNNING, kind, p, horizon, keep)
+        return Why(Reason.OUTRANKED, kind, p, horizon, keep, rival)
+
+    def _decide(
+        self,
+        session: _Session,
+        action: Action,
+        source: TierKind | None,
+        to: TierKind | None,
+        chunks: int,
+        why: Why,
+    ) -> Decision:
+        """Log a decision on ``session``'s chain, with the forecast it was made by."""
+        forecast_at = session.forecast_at if session.forecast is not None else None
+        decision = Decision(
+            self._now, session.name, action, source, to, chunks, why, session.levels, forecast_at
+        )
+        self.decisions.record(decision)
+        return decision
 
     def _returning(self, session: _Session, kind: TierKind, now: float) -> tuple[float, float]:
         """The session's rank in tier ``kind``: P(back while a block it keeps there would
@@ -477,30 +606,34 @@ class PlacementPolicy:
             return horizon
         return min(horizon, max(residence, self.config.check_min_s))
 
-    def _demote(self, store: TieredStore, namespace: Namespace, name: str, to: TierKind) -> None:
-        """Move the blocks session ``name`` owns out of every tier faster than ``to``."""
+    def _demote(self, store: TieredStore, namespace: Namespace, name: str, to: TierKind) -> int:
+        """Move the blocks session ``name`` owns out of every tier faster than ``to``;
+        how many moved."""
         owned: dict[ChunkKey, None] = {}
         for kind, ranking in self._tiers.items():
             if kind < to:
                 owned.update(dict.fromkeys(ranking.blocks.get(name, ())))
         if not owned:
-            return
+            return 0
         self._moving = set(owned)
         try:
-            self.demoted += store.demote(namespace, list(owned), to=to)
+            moved = store.demote(namespace, list(owned), to=to)
         finally:
             self._moving = set()
+        self.demoted += moved
+        return moved
 
     def _write_down(
         self, store: TieredStore, namespace: Namespace, name: str, placed: TierKind, to: TierKind
-    ) -> None:
-        """Copy the blocks session ``name`` owns in ``placed`` into ``to``, keeping them."""
+    ) -> int:
+        """Copy the blocks session ``name`` owns in ``placed`` into ``to``, keeping them;
+        how many were written."""
         owned = list(self._tiers[placed].blocks.get(name, ()))
         if not owned:
-            return
+            return 0
         self._moving = set(owned)
         try:
-            store.write_back(namespace, owned, to=to)
+            return store.write_back(namespace, owned, to=to)
         finally:
             self._moving = set()
 
@@ -517,7 +650,7 @@ class PlacementPolicy:
         with store.locked():
             self._landed(store, plan)
 
-    def _prefetch(self, store: TieredStore, session: _Session, to: TierKind) -> None:
+    def _prefetch(self, store: TieredStore, session: _Session, to: TierKind, why: Why) -> None:
         """Promote the chunks of the session's chain held slower than ``to`` up to ``to``:
         at once, or, ``defer_prefetches``, once the caller has let go of the lock."""
         state = session.state
@@ -540,7 +673,9 @@ class PlacementPolicy:
                 slower.append((key, fastest))
         if not slower:
             return
-        plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now)
+        source = min(kind for _, kind in slower)
+        planned = self._decide(session, Action.PREFETCH_PLANNED, source, to, len(slower), why)
+        plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now, planned)
         if self.defer_prefetches:
             self._planned.append(plan)
             return
@@ -555,6 +690,10 @@ class PlacementPolicy:
             self._prefetched[plan.to].add(key)
         self.prefetches.issued += len(copies)
         self.prefetches.transfer(copies, plan.planned_at, _chunk_seconds(store, plan.namespace))
+        ran = dataclasses.replace(
+            plan.decision, at=self._now, action=Action.PREFETCH, chunks=len(copies)
+        )
+        self.decisions.record(ran)
 
     def _slots(self, store: TieredStore, kind: TierKind) -> int:
         """About how many blocks tier ``kind`` holds when full (from its mean block size)."""

@@ -292,6 +292,8 @@ def test_the_predictor_is_on_by_default_and_configured_by_file_then_environment(
         ("tick_s = 0", "positive number"),
         ("enabled = 1", "true or false"),
         ("queue_size = 0", "must be positive"),
+        ("decisions_kept = 0", "must be positive"),
+        ("decisions_kept = 1.5", "must be an integer"),
         ("guess = 1", "unknown predictor setting"),
         ("weights = 3", "must be a path"),
     ],

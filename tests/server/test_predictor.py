@@ -52,13 +52,13 @@ capacity = {dram_bytes}
 capacity = "64MiB"
 
 [predictor]
-tick_s = 0.1
 {predictor}
 """
 
 
-def config(dram_slots: int = 64, **predictor: Any) -> str:
-    lines = "\n".join(f"{name} = {json.dumps(value)}" for name, value in predictor.items())
+def config(dram_slots: int = 64, tick_s: float = 0.1, **predictor: Any) -> str:
+    settings = {"tick_s": tick_s, **predictor}
+    lines = "\n".join(f"{name} = {json.dumps(value)}" for name, value in settings.items())
     return STORE_TOML.format(dram_bytes=dram_slots * kv.ARENA_SLOT, predictor=lines)
 
 
@@ -155,6 +155,67 @@ def test_an_idle_chain_is_demoted_and_a_resume_brings_it_back(
     assert [(s.labels["tier"], s.value) for s in placed if s.name.endswith("total")] == [("ssd", 1)]
 
 
+def test_the_daemon_says_why_it_moved_each_sessions_kv(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """DRAM holds 20 chunks; the model expects nobody back. An idle chain stays in DRAM
+    while there is room, copied to LMDB first; a busy session's put pushes four of its
+    blocks out (one record, though the put evicts block by block); its next request
+    brings them back, pushing out the busy session's tail. No tick in between: each
+    decision is at the time of the event before it."""
+    weights = tmp_path / "pessimist.pt"
+    ReturnModel(len(feature_names()), prior=(0.01, 0.02, 0.03)).save(weights)
+    daemon = daemon_factory(
+        config(dram_slots=20, tick_s=3600.0, weights=str(weights)), daemon=OWN_CLOCK
+    )
+    ns = kv.namespace(salt="decisions")
+    idle, busy = make_chain(ns, 8), make_chain(ns, 16, start=50_000, seed=1)
+    with daemon.client() as client:
+        register(client, ns)
+        assert put_raw(client, frames_body(ns, idle.keys, idle.blocks, session="idle")).json() == {
+            "stored": 8
+        }
+        post(client, started("idle", T0), finished("idle", T0 + 5), started("busy", T0 + 10))
+        stats(client, processed(3))
+        assert put_raw(client, frames_body(ns, busy.keys, busy.blocks, session="busy")).json() == {
+            "stored": 16
+        }
+        post(client, started("idle", T0 + 600))
+        stats(client, processed(4))
+        everyone = client.get("/v1/decisions").json()
+        only_idle = client.get("/v1/decisions", params={"session": "idle", "limit": 3}).json()
+        in_session = session(client, "idle")
+        refused = [client.get("/v1/decisions", params={"limit": n}) for n in ("0", "1001", "x")]
+    rows = [
+        (d["session"], d["at"] - T0, d["action"], d["from"], d["to"], d["chunks"])
+        for d in everyone["decisions"]
+    ]
+    assert rows == [  # newest first
+        ("idle", 600, "prefetch", "ssd", "dram", 4),
+        ("busy", 600, "evict", "dram", "ssd", 4),
+        ("idle", 600, "prefetch_planned", "ssd", "dram", 4),
+        ("idle", 10, "evict", "dram", "ssd", 4),
+        ("idle", 5, "write_down", "dram", "ssd", 8),
+        ("idle", 5, "place", "dram", None, 8),
+    ]
+    assert (everyone["recorded"], everyone["kept"]) == (6, 1000)
+    forecast = everyone["decisions"][-1]["forecast"]
+    assert forecast["at"] == T0 + 5 and forecast["horizons_s"] == [60.0, 600.0, 3600.0]
+    reasons = [d["reason"] for d in everyone["decisions"]]
+    resumed = "request started: its lookup is next"
+    assert reasons[:3] == [resumed, "pressure: dram full; session running", resumed]
+    assert reasons[3].startswith("pressure: dram full; P(back within 600 s)=0.0")
+    assert reasons[4:] == [
+        "copied ahead of eviction: ssd has room",
+        f"P(back within 3600 s)={forecast['p_return'][2]:.2f} < keep 0.5",
+    ]
+    assert only_idle["decisions"] == [everyone["decisions"][i] for i in (0, 2, 3)]
+    assert in_session["decisions"] == [d for d in everyone["decisions"] if d["session"] == "idle"]
+    assert in_session["chain"]["tiers"] == {"dram": 8}
+    for response in refused:
+        assert response.status_code == 400 and response.json()["error"]["code"] == "bad_request"
+
+
 def test_a_session_moved_to_another_daemon_keeps_its_gap_and_is_labelled_once(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
@@ -249,6 +310,7 @@ def test_a_disabled_predictor_keeps_lru_and_only_records_events(
         missing = client.get("/v1/sessions/quiet")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
         assert "predictor disabled" in format_stats(body)
+        assert client.get("/v1/decisions").status_code == 404
         metrics = client.get("/metrics").text
     assert "kvstore_predictor_" not in metrics
 

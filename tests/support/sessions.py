@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.predictor.learning.sessions import SessionState, SessionTracker
 from kvstore.predictor.placement.hooks import SessionPolicy
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.registry import TierConfig
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 from support import kv
+
+
+@dataclass(frozen=True)
+class StepForecast:
+    """Back exactly ``after`` seconds after going idle: a forecast that jumps from 0 to 1."""
+
+    session: str
+    at: float
+    after: float
+    horizons: tuple[float, ...] = ()  # none: the policy reads ``within`` as it is
+
+    def within(self, seconds: float) -> float:
+        return float(seconds >= self.after)
 
 
 class Sessions:
@@ -52,3 +68,6 @@ class Sessions:
         return self.store.locate(self.ns, self.keys(tokens_start, n_chunks))
 
 
+def opened(policy: SessionPolicy, *tiers: TierConfig) -> Sessions:
+    """A store of ``tiers`` whose eviction policy is ``policy``, to be closed (``with``)."""
+    return Sessions(TieredStore(kv.config(*tiers), policy=policy), policy)

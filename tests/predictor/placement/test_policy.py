@@ -2,57 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 from support import kv
-from support.sessions import Sessions
+from support.sessions import Sessions, StepForecast, opened
 
-from kvstore import TieredStore, TierKind
+from kvstore import TierKind
 from kvstore.keys import external_keys
 from kvstore.predictor.learning.model import DEFAULT_HORIZONS
 from kvstore.predictor.learning.online import ReturnForecast
 from kvstore.predictor.placement.baselines import LRUBaseline, TTLPolicy
+from kvstore.predictor.placement.decisions import Action
 from kvstore.predictor.placement.policy import (
     PlacementConfig,
     PlacementPolicy,
     PrefetchStats,
-    SessionPolicy,
     perfect_forecast,
 )
 
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 
 
-@dataclass(frozen=True)
-class StepForecast:
-    """Back exactly ``after`` seconds after going idle: a forecast that jumps from 0 to 1."""
-
-    session: str
-    at: float
-    after: float
-    horizons: tuple[float, ...] = ()  # none: the policy reads ``within`` as it is
-
-    def within(self, seconds: float) -> float:
-        return float(seconds >= self.after)
-
-
 def forecast(session: str, at: float, *probabilities: float) -> ReturnForecast:
     return ReturnForecast(session, at, DEFAULT_HORIZONS, tuple(probabilities))
-
-
-@pytest.fixture
-def three_tiers(tmp_path: Path):
-    """HBM and DRAM of 8 chunks over LMDB, with a ``PlacementPolicy``."""
-    policy = PlacementPolicy(PlacementConfig(check_min_s=10.0, check_fraction=0.0))
-    config = kv.config(kv.hbm(8), kv.dram(8), kv.ssd(tmp_path / "lmdb"))
-    with TieredStore(config, policy=policy) as store:
-        yield Sessions(store, policy)
-
-
-def opened(policy: SessionPolicy, *tiers) -> Sessions:
-    return Sessions(TieredStore(kv.config(*tiers), policy=policy), policy)
 
 
 def test_a_likely_soon_return_stays_hot(three_tiers: Sessions) -> None:
@@ -134,8 +106,15 @@ def test_a_deferred_prefetch_moves_nothing_until_its_plan_is_run(tmp_path: Path)
         assert policy.take_prefetches() == []
         assert run.where(0, 3) == [DRAM] * 3 and policy.prefetches.issued == 0
         assert (plan.keys, plan.to, plan.planned_at) == (tuple(run.keys(0, 3)), HBM, 500.0)
+        assert [d.action for d in policy.decisions.latest("a", limit=2)] == [
+            Action.PREFETCH_PLANNED,  # logged as it was planned ...
+            Action.WRITE_DOWN,
+        ]
         policy.prefetch(run.store, plan)
         assert run.where(0, 3) == [HBM] * 3 and policy.prefetches.issued == 3
+    ran, planned = policy.decisions.latest("a", limit=2)  # ... and again as it ran
+    assert (ran.action, ran.source, ran.to, ran.chunks) == (Action.PREFETCH, DRAM, HBM, 3)
+    assert plan.decision == planned and (ran.why, ran.at) == (planned.why, 500.0)
 
 
 def test_a_rising_probability_prefetches_ahead_of_the_return(three_tiers: Sessions) -> None:
