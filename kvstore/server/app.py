@@ -60,6 +60,7 @@ from kvstore.server.state import (
     STORE,
     DaemonState,
 )
+from kvstore.server.status_page import PAGE_PATHS, add_status_page
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.kinds import TierKind
@@ -69,7 +70,7 @@ from kvstore.wire.events import MAX_SESSION_CHARS
 log = logging.getLogger("kvstore.server")
 
 # Routes open to anyone who can connect, token or not.
-_OPEN_PATHS = frozenset({"/healthz"})
+_OPEN_PATHS = frozenset({"/healthz"}) | PAGE_PATHS
 # How long /readyz waits for one tier before calling it degraded.
 _PROBE_TIMEOUT_S = 5.0
 _PROBE_NAMESPACE = bytes(16)
@@ -121,6 +122,7 @@ def create_app(
     app.router.add_get("/v1/decisions", decisions)
     add_routes(app)
     add_admin_routes(app)
+    add_status_page(app)
     return app
 
 
