@@ -145,12 +145,28 @@ def _sessions(client: DaemonClient, args: argparse.Namespace) -> Answer:
 
 
 def _session_lines(entry: dict[str, Any]) -> list[str]:
-    return [
+    lines = [
         f"session {entry['session']}  {'running' if entry.get('active') else 'idle'}"
         f"  requests {entry.get('requests', 0)}  gaps {entry.get('gaps', 0)}",
         f"forecast: {_forecast(entry.get('forecast'))}",
         f"chain: {_chain(entry.get('chain'))}",
     ]
+    decisions = entry.get("decisions") or []
+    if decisions:
+        rows = [["at", "action", "from", "to", "chunks", "reason"]]
+        rows += [
+            [
+                f"{d['at']:.1f}",
+                d["action"],
+                d.get("from") or "-",
+                d.get("to") or "-",
+                str(d.get("chunks", 0)),
+                d.get("reason", ""),
+            ]
+            for d in decisions
+        ]
+        lines += ["decisions, newest first:", *table(rows)]
+    return lines
 
 
 def _idle_for(entry: dict[str, Any], answer: dict[str, Any]) -> str:

@@ -48,10 +48,12 @@ def failed(daemon: Daemon, *args: str, code: int = 1) -> str:
     return lines[0]
 
 
-def put_chain(client: httpx.Client, ns: Namespace, n_chunks: int, start: int = 0) -> list[Any]:
+def put_chain(
+    client: httpx.Client, ns: Namespace, n_chunks: int, start: int = 0, session: str | None = None
+) -> list[Any]:
     register(client, ns)
     chain = make_chain(ns, n_chunks, start=start)
-    response = put_raw(client, frames_body(ns, chain.keys, chain.blocks))
+    response = put_raw(client, frames_body(ns, chain.keys, chain.blocks, session=session))
     assert response.status_code == 200 and response.json() == {"stored": n_chunks}
     return list(chain.keys)
 
@@ -126,6 +128,7 @@ def test_sessions_lists_the_predictors_sessions_and_shows_one(
 ) -> None:
     daemon = daemon_factory(daemon=OWN_CLOCK)
     with daemon.client() as client:
+        put_chain(client, kv.namespace(salt="ops-sessions"), 2, session="alice")
         post(client, started("alice", T0), finished("alice", T0 + 5), started("bob", T0 + 6))
         stats(client, processed(3))
     listed = answer(daemon, "sessions")
@@ -139,6 +142,7 @@ def test_sessions_lists_the_predictors_sessions_and_shows_one(
     assert "alice" in text and "idle" in text and "running" in text
     one = kvstore("sessions", "alice", "--url", daemon.url)
     assert one.returncode == 0 and one.stdout.startswith("session alice  idle  requests 1")
+    assert "decisions, newest first:" in one.stdout and "place" in one.stdout
     assert "no session 'nobody'" in failed(daemon, "sessions", "nobody")
 
 
