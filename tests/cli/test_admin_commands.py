@@ -162,8 +162,11 @@ def test_version_and_help() -> None:
     assert done.returncode == 0 and done.stdout.startswith("kvstore ")
     helped = kvstore("--help")
     assert helped.returncode == 0 and "``" not in helped.stdout
-    for command in ("serve", "stats", "ready", "namespaces", "sessions", "evict", "delete"):
+    commands = ("serve", "stats", "ready", "namespaces", "sessions", "evict", "delete", "replay")
+    for command in commands:
         assert command in helped.stdout
+        own = kvstore(command, "--help")
+        assert own.returncode == 0 and "``" not in own.stdout and command in own.stdout
 
 
 def imported_by(*args: str) -> set[str]:
