@@ -40,9 +40,10 @@ the plain reload, plus ``"overlap"`` (the layer-wise rows: ``reload_s``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,7 @@ from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 GiB = 1 << 30
 NEW_TOKENS = 4
+TIERS = ("hbm", "dram", "lmdb", "redis", "daemon")
 LOAD_REPS = 31  # loads are cheap next to forwards: more reps, steadier medians
 CPU_SHAPE = {  # ~23M parameters, 8 KiB of KV per token in float32
     "hidden_size": 512,
@@ -140,29 +142,34 @@ def build_model(p: Plan) -> Any:
 
 
 @contextmanager
-def tier_clients(p: Plan, root: Path, stack: Any) -> Iterator[Iterator[tuple[str, Any]]]:
-    """Yield (tier name, client) pairs, each a fresh store holding nothing yet."""
+def tier_clients(
+    p: Plan, root: Path, stack: Any, names: Sequence[str] = TIERS
+) -> Iterator[Iterator[tuple[str, Any]]]:
+    """Yield (tier name, client) pairs of the tiers ``names``, each a fresh store holding
+    nothing yet (HBM only on a CUDA device)."""
     root.mkdir(parents=True, exist_ok=True)
 
     def embedded(*tiers: TierConfig) -> EmbeddedClient:
         return EmbeddedClient(StoreConfig(tiers=tiers, promote_on_hit=False))
 
     def clients() -> Iterator[tuple[str, Any]]:
-        if p.device.type == "cuda":
+        if "hbm" in names and p.device.type == "cuda":
             yield "hbm", embedded(TierConfig(TierKind.HBM, p.store_bytes, device="cuda"))
-        yield "dram", embedded(TierConfig(TierKind.DRAM, p.store_bytes))
-        yield (
-            "lmdb",
-            embedded(TierConfig(TierKind.SSD, 2 * p.store_bytes, path=root / "lmdb", sync=False)),
-        )
-        redis = stack.enter_context(RedisServer())
-        yield (
-            "redis",
-            embedded(
-                TierConfig(TierKind.REDIS, p.store_bytes, url=redis.url, socket_timeout_s=30.0)
-            ),
-        )
-        yield "daemon", kvstore.connect(daemon(p, root, stack), timeout_s=60.0)
+        if "dram" in names:
+            yield "dram", embedded(TierConfig(TierKind.DRAM, p.store_bytes))
+        if "lmdb" in names:
+            lmdb = TierConfig(TierKind.SSD, 2 * p.store_bytes, path=root / "lmdb", sync=False)
+            yield "lmdb", embedded(lmdb)
+        if "redis" in names:
+            redis = stack.enter_context(RedisServer())
+            yield (
+                "redis",
+                embedded(
+                    TierConfig(TierKind.REDIS, p.store_bytes, url=redis.url, socket_timeout_s=30.0)
+                ),
+            )
+        if "daemon" in names:
+            yield "daemon", kvstore.connect(daemon(p, root, stack), timeout_s=60.0)
 
     yield clients()
 
@@ -317,11 +324,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="shorter prompts, fewer reps")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--tiers", default=",".join(TIERS), help=f"a subset of {','.join(TIERS)} (default all)"
+    )
+    parser.add_argument("--lengths", help="prompt lengths in tokens, e.g. 2048,32768")
     args = parser.parse_args(argv)
+    unknown = set(args.tiers.split(",")) - set(TIERS)
+    if unknown:
+        parser.error(f"unknown tiers {sorted(unknown)}; expected some of {', '.join(TIERS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         log("--device cuda: no CUDA device here; nothing measured")
         raise SystemExit(2)
     p = plan(args)
+    if args.lengths:
+        p = dataclasses.replace(p, lengths=tuple(int(n) for n in args.lengths.split(",")))
     model = build_model(p)
     rows: list[dict[str, Any]] = []
     overlaps: list[dict[str, Any]] = []
@@ -333,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
             ids = ids.to(p.device)
             with torch.no_grad():
                 reference = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            with tier_clients(p, root / str(length), stack) as clients:
+            with tier_clients(p, root / str(length), stack, args.tiers.split(",")) as clients:
                 for tier, client in clients:
                     with client:
                         row, overlap = measure_tier(tier, client, model, p, ids, reference)

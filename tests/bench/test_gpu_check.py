@@ -1,0 +1,54 @@
+"""``bench/gpu_check.py`` without a device: every step that needs one skips with its
+reason, the rest run, and the exit code is 0; and the goals it reads off the engine
+benchmark's JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gpu_check
+import pytest
+import torch
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a device, make gpu-check runs it")
+def test_without_a_device_the_check_skips_what_needs_one_and_passes(tmp_path: Path) -> None:
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    steps = {
+        step["name"]: step
+        for step in json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    }
+    assert list(steps) == ["environment", "install", "cuda_tests", "tiers", "engine", "cuda_ipc"]
+    assert steps["environment"]["figures"]["cuda"] is False
+    assert all(steps["environment"]["figures"]["present"].values())
+    assert steps["install"]["status"] == steps["cuda_tests"]["status"] == "ran"
+    assert "skipped" in (tmp_path / "cuda_tests.log").read_text()  # the CUDA tests, by themselves
+    for name in ("tiers", "engine"):
+        assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA device")
+    assert steps["cuda_ipc"]["status"] == "skipped"
+
+
+def row(tier: str, tokens: int, speedup: float, ratio: float, identical: bool = True) -> Any:
+    return {
+        "tier": tier,
+        "prompt_tokens": tokens,
+        "speedup": speedup,
+        "ratio": ratio,
+        "identical": identical,
+    }
+
+
+def test_the_goals_are_read_off_the_engine_benchmark() -> None:
+    met = gpu_check.goals({"results": [row("dram", 32768, 14.0, 0.85), row("hbm", 32768, 40, 1)]})
+    assert met["dram_32k_speedup"] == 14.0 and all(met["met"].values())
+    slow = gpu_check.goals({"results": [row("dram", 32768, 6.0, 0.85, identical=False)]})
+    assert [goal for goal, ok in slow["met"].items() if not ok] == [
+        "DRAM reload at 32K >= 10x recompute",
+        "identical tokens on every path",
+    ]
+    no_32k = gpu_check.goals({"results": [row("dram", 8192, 20, 1)]})
+    assert no_32k["dram_32k_speedup"] is None  # a run that never reached 32K meets no goal there
+    assert list(no_32k["met"].values()) == [False, False, True]
