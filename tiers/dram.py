@@ -25,7 +25,7 @@ import os
 import secrets
 import weakref
 from collections.abc import Sequence
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +112,10 @@ class SharedMemoryArena:
 
 def _release_segment(segment: shared_memory.SharedMemory, held: int | None) -> None:
     segment.close()
-    segment.unlink()
+    try:
+        segment.unlink()
+    except FileNotFoundError:  # someone removed it from /dev/shm: nothing left to unlink
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     if held is not None:
         os.close(held)
 
