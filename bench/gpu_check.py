@@ -14,18 +14,22 @@ on ``PYTHONPATH`` and the binary on ``PATH``, then runs, each under its own time
     step         what                                               budget
     environment  torch, CUDA, the device; which carried pieces work    5 s
     install      the carried wheels and kvstore into the scratch dir  60 s
-    cuda_tests   pytest -m cuda (HBM tier on the device, pinned DRAM) 90 s
+    cuda_tests   pytest -m cuda (HBM tier on the device, pinned DRAM, 90 s
+                 CUDA IPC of HBM blocks between daemon and client)
     tiers        bench/tiers.py --tiers hbm,dram: HBM get against a  100 s
                  device copy, DRAM -> HBM against pinned H2D
     engine       bench/engine.py --device cuda, Llama-3.1-8B shape    240 s
                  in bf16 at 2K-32K tokens: recompute against reload
                  from HBM, DRAM, LMDB, Redis and the daemon,
                  layer-wise on and off, tokens identical on every path
+    cuda_ipc     the CUDA IPC tests' outcomes, from cuda_tests' report  0 s
 
 and checks the issue's goals on what the engine benchmark printed: reload from
 DRAM at 32K tokens at least 10x faster than recompute, its load at >= 80% of the
-pinned host-to-device ceiling, identical tokens on every path. CUDA IPC for HBM
-blocks is not built yet; its step says so.
+pinned host-to-device ceiling, identical tokens on every path. The ``cuda_ipc`` step
+reports the CUDA IPC tests (``tests/client/test_device.py``: the daemon's HBM arena
+opened by its IPC handle, blocks copied device to device into ``out=`` tensors)
+from the ``cuda_tests`` step's report, which ran them.
 
 Without a CUDA device every step that needs one is skipped with that reason and
 the script exits 0: ``tests/bench/test_gpu_check.py`` runs it so on every CI run.
@@ -49,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / "build" / "gpu-wheels"
@@ -222,7 +227,28 @@ def goals(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def cuda_ipc(check: Check, step: Step) -> None:
-    step.reason = "CUDA IPC for HBM blocks is not built yet"
+    """The CUDA IPC tests' outcomes, read off the ``cuda_tests`` step's report (they are
+    CUDA tests, so that step ran them already): the daemon's HBM arena opened in
+    another process by its IPC handle, blocks copied device to device into out=."""
+    if not check.cuda:
+        step.reason = "no CUDA device"
+        return
+    report = check.out / "cuda_tests.xml"
+    if not report.exists():
+        step.status, step.reason = "failed", "the cuda_tests step wrote no report"
+        return
+    outcomes = {
+        case.get("name", ""): next(
+            (child.tag for child in case if child.tag in ("failure", "error", "skipped")),
+            "passed",
+        )
+        for case in ElementTree.parse(report).iter("testcase")
+        if "cuda_ipc" in case.get("name", "")
+    }
+    step.figures = {"tests": outcomes}
+    failed = [name for name, outcome in outcomes.items() if outcome != "passed"]
+    step.status = "failed" if failed or not outcomes else "ran"
+    step.reason = "no CUDA IPC test ran" if not outcomes else ", ".join(failed)
 
 
 STEPS: tuple[tuple[str, Callable[[Check, Step], None]], ...] = (

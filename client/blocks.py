@@ -29,7 +29,9 @@ from there, if given):
   read-only mapping (``client.shm``), checked as ``Verify`` says. A large
   batch is copied by two threads taking blocks in turn (copy and checksum
   release the GIL): with a core to spare two threads move 1.3-1.4x the
-  bytes of one, and on a busy host neither waits long for the other.
+  bytes of one, and on a busy host neither waits long for the other. A
+  lease's HBM blocks are copied device to device by ``client.device``
+  instead, and reach ``copy_leased`` as done or inline.
 
 How a shared-memory copy is checked (``Verify``)::
 

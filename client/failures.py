@@ -45,7 +45,10 @@ class ClientStats:
     put or event was not stored. ``events_rejected`` counts session events the
     daemon refused (a time too far from its clock: the engine's clock is off);
     they are dropped, never raised. ``corrupt_blocks`` counts received blocks
-    that failed verification and were turned into misses.
+    that failed verification and were turned into misses. ``device_fallbacks``
+    counts HBM blocks leased for a device copy that were fetched as bytes
+    instead (``client.device``: the arena would not open, an ``out=`` tensor on
+    another device, a header that did not fit, a generation that moved).
     """
 
     lookups_failed: int = 0
@@ -54,6 +57,7 @@ class ClientStats:
     events_dropped: int = 0
     events_rejected: int = 0
     corrupt_blocks: int = 0
+    device_fallbacks: int = 0
 
     def snapshot(self) -> ClientStats:
         return dataclasses.replace(self)

@@ -62,6 +62,7 @@ from kvstore.client.blocks import (
     tier_of,
 )
 from kvstore.client.buffers import BufferPool
+from kvstore.client.device import HBMArena, copy_device, flat_tensors
 from kvstore.client.failures import ClientStats, from_reply, unavailable
 from kvstore.client.put_body import PutBody
 from kvstore.client.shm import SharedArena
@@ -76,7 +77,10 @@ from kvstore.errors import (
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
 from kvstore.store.stats import StoreStats, TierCounters
+from kvstore.tensors import is_tensor
 from kvstore.throttled_log import ThrottledLog
+from kvstore.tiers.arena_handle import ArenaHandle
+from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, Seal
 from kvstore.wire.messages import API_PREFIX, GetTransfer, namespace_to_json
@@ -218,6 +222,9 @@ class ClientProtocol:
     ``shm``: get DRAM blocks through the daemon's shared-memory arena
     (same host only); otherwise every block travels in the response body.
     It turns off for good if the daemon has no arena or it cannot be mapped.
+    A shared-memory get into ``out=`` tensors checked FAST also asks for the
+    daemon's HBM blocks as device memory (``client.device``); that turns off
+    for good (``device_memory``) if the HBM arena cannot be opened here.
     ``backoff_s``: after a failed exchange, calls degrade at once (no I/O)
     for this long, so a hung daemon costs the engine one timeout, not one
     per call. ``verify``: how a shared-memory copy is checked
@@ -248,6 +255,8 @@ class ClientProtocol:
         # registering a namespace (``put_seals``), in the header until it says.
         self._seal = Seal.HEADER
         self._arena: SharedArena | None = None
+        self.device_memory = True
+        self._hbm: HBMArena | None = None
         self._down_until = 0.0
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
         # One worker, so each get's blocks are verified in order, one at a time.
@@ -265,6 +274,9 @@ class ClientProtocol:
         arena, self._arena = self._arena, None
         if arena is not None:
             arena.close()
+        hbm, self._hbm = self._hbm, None
+        if hbm is not None:
+            hbm.close()
 
     # -- operations ---------------------------------------------------------
 
@@ -336,9 +348,11 @@ class ClientProtocol:
             destinations = [destination_bytes(buffer, namespace.layout) for buffer in out]
         if not keys:
             return []
+        # Device copies are proven by generations alone (FAST), into the caller's tensors.
+        device = out is not None and self.verify is Verify.FAST and all(is_tensor(b) for b in out)
         try:
             if self.shm:
-                received = yield from self._get_shared(namespace, keys, destinations)
+                received = yield from self._get_shared(namespace, keys, destinations, device)
             else:
                 received = yield from self._get_bytes(namespace, keys, destinations)
         except TierUnavailable:
@@ -441,17 +455,23 @@ class ClientProtocol:
         return sink.received
 
     def _get_shared(
-        self, namespace: Namespace, keys: list[ChunkKey], out: list[np.ndarray] | None
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        out: list[np.ndarray] | None,
+        device: bool = False,
     ) -> Operation[Received]:
-        """Lease the DRAM blocks, copy them out of the mapped arena, release the
-        lease (without waiting for the answer), then fetch the blocks held below
-        DRAM as bytes."""
+        """Lease the DRAM blocks (and with ``device`` the HBM ones), copy them out of
+        the mapped arenas, release the lease (without waiting for the answer), then
+        fetch the blocks held elsewhere, or that could not be copied, as bytes."""
         if self._arena is None:
             yield from self._map_arena()
             if self._arena is None:  # nothing to map: bytes from now on
                 self.shm = False
                 return (yield from self._get_bytes(namespace, keys, out))
         request = _get_request(namespace, keys, GetTransfer.SHM, self._finished.take())
+        if device and self.device_memory:
+            request["device_memory"] = True
         lease = yield from self._namespaced(namespace, lambda: _post("/get", request))
         try:
             received = self._copy_leased(lease, namespace, keys, out)
@@ -481,9 +501,62 @@ class ClientProtocol:
         if arena is None or arena.name != name:  # the daemon restarted: a new segment
             arena = self._open_arena(name)
         entries = [LeasedBlock.parse(entry) for entry in _field(lease, "blocks", list)]
-        return copy_leased(
+        on_device = [
+            (index, entry)
+            for index, entry in enumerate(entries)
+            if entry.tier is TierKind.HBM and not entry.inline
+        ]
+        copied: list[int] = []
+        if on_device:
+            fallen = set(self._copy_device(lease, namespace, keys, on_device, out))
+            copied = [index for index, _ in on_device if index not in fallen]
+            for index, _ in on_device:  # left to copy_leased: inline, or done already
+                entries[index] = LeasedBlock(None, None, None, inline=index in fallen)
+        received = copy_leased(
             arena, namespace, keys, entries, out, self._buffers, self._copier, self.verify
         )
+        for index in copied:
+            assert out is not None
+            received.chunks[index] = KVChunk(
+                keys[index], TierKind.HBM, namespace.layout, out[index].data
+            )
+        return received
+
+    def _copy_device(
+        self,
+        lease: Any,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        on_device: list[tuple[int, LeasedBlock]],
+        out: list[np.ndarray] | None,
+    ) -> list[int]:
+        """Copy the leased HBM blocks into ``out`` (``client.device``); the positions
+        to fetch as bytes instead, every one of them if the arena does not open."""
+        try:
+            handle = ArenaHandle.from_json(lease.get("hbm"))
+        except ValueError as error:
+            raise unavailable(f"malformed lease: {error}") from None
+        arena = self._hbm
+        if arena is None or arena.handle != handle:
+            arena = self._open_hbm(handle)
+        fallen = [index for index, _ in on_device]
+        if arena is not None and out is not None:
+            fallen = copy_device(arena, namespace, keys, on_device, flat_tensors(out))
+        with self._lock:
+            self._stats.device_fallbacks += len(fallen)
+        return fallen
+
+    def _open_hbm(self, handle: ArenaHandle) -> HBMArena | None:
+        """Open the daemon's HBM arena, or stop asking for device memory for good."""
+        try:
+            arena = HBMArena.open(handle)
+        except (OSError, ValueError, RuntimeError) as error:
+            log.warning("getting HBM blocks as bytes: cannot open the daemon's arena: %s", error)
+            self.device_memory = False
+            return None
+        # As with the DRAM mapping, the arena replaced is left to its last reference.
+        self._hbm = arena
+        return arena
 
     def _map_arena(self) -> Operation[None]:
         reply = yield from self._exchange(Call("GET", f"{API_PREFIX}/shm"))

@@ -30,8 +30,9 @@ class TierConfig:
     codec: str = "none"
     # dram: populate the arena's pages at startup, in the background (tiers.prefault)
     prefault: bool = False
-    # hbm
+    # hbm; ``share``: local clients may open the arena (read-write: ``kvstore.tiers.hbm``)
     device: str = "cuda"
+    share: bool = True
     # ssd (LMDB)
     path: Path | None = None
     map_size_bytes: int | None = None
@@ -174,7 +175,7 @@ class Opener:
 def _open_hbm(config: TierConfig) -> Tier:
     from kvstore.tiers.hbm import HBMTier
 
-    return HBMTier(config.capacity_bytes, device=config.device)
+    return HBMTier(config.capacity_bytes, device=config.device, share=config.share)
 
 
 def _open_dram(config: TierConfig) -> Tier:

@@ -1,8 +1,9 @@
 """Leases: how long a shared-memory reader may count on the blocks it was shown.
 
-A ``"shm"`` get pins the DRAM blocks it describes (``SharedServing.share``), so
-they cannot be evicted and their arena extents cannot be reused while the
-client copies them out of its own mapping. Every pin taken that way belongs
+A ``"shm"`` get pins the DRAM blocks it describes, and the HBM ones when its
+client copies device memory (``SharedServing.share``), so they cannot be
+evicted and their arena extents cannot be reused while the client copies them
+out of its own mapping of either arena. Every pin taken that way belongs
 to exactly one lease, and is given back exactly once: when the client
 releases the lease, when the lease expires, or when the daemon stops::
 
@@ -40,7 +41,7 @@ from kvstore.wire.codes import ErrorCode, WireError
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """One grant of pinned DRAM blocks to a shared-memory reader."""
+    """One grant of pinned DRAM and HBM blocks to a shared-memory reader."""
 
     id: str
     namespace: Namespace
@@ -72,12 +73,13 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
 
     def grant(
-        self, namespace: Namespace, keys: Sequence[ChunkKey]
+        self, namespace: Namespace, keys: Sequence[ChunkKey], *, hbm: bool = False
     ) -> tuple[Lease, list[SharedBlock | None]]:
-        """Pin the keys held in DRAM under a new lease; ``None`` for the others.
+        """Pin the keys held in DRAM (with ``hbm``, in a shared HBM arena too) under a
+        new lease; ``None`` for the others.
 
         Over ``max_leases`` outstanding it pins nothing and raises
-        ``request_too_large``: each lease holds DRAM that nothing else can use.
+        ``request_too_large``: each lease holds memory that nothing else can use.
         """
         with self._lock:
             if len(self._leases) >= self.max_leases:
@@ -85,7 +87,7 @@ class LeaseTable:
                     ErrorCode.REQUEST_TOO_LARGE,
                     f"{len(self._leases)} leases outstanding; the limit is {self.max_leases}",
                 )
-            shared = self.serving.share(namespace, keys)
+            shared = self.serving.share(namespace, keys, hbm=hbm)
             lease = Lease(
                 id=secrets.token_hex(16),
                 namespace=namespace,

@@ -31,7 +31,6 @@ from kvstore.server.put import put
 from kvstore.server.serving import ServedGet, SharedBlock, SharedServing
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, SERVING, STATE, STORE
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire import strict_json
 from kvstore.wire.codes import ErrorCode, WireError
@@ -138,7 +137,12 @@ async def get(request: web.Request) -> web.StreamResponse:
     continues = body.get("continues", False)
     if not isinstance(continues, bool):
         raise WireError(ErrorCode.BAD_REQUEST, "continues must be true or false")
-    asked = _GetRequest(namespace, keys, _released(body, request.app[LEASES]), continues)
+    device_memory = body.get("device_memory", False)
+    if not isinstance(device_memory, bool):
+        raise WireError(ErrorCode.BAD_REQUEST, "device_memory must be true or false")
+    asked = _GetRequest(
+        namespace, keys, _released(body, request.app[LEASES]), continues, device_memory
+    )
     named = body.get("transfer", GetTransfer.BYTES.value)
     transfer = next((transfer for transfer in GetTransfer if transfer.value == named), None)
     if transfer is GetTransfer.BYTES:
@@ -158,6 +162,7 @@ class _GetRequest:
     keys: list[ChunkKey]
     released: list[str]
     continues: bool = False  # it reads what a shared-memory get left inline
+    device_memory: bool = False  # its client can copy out of the HBM arena (``"shm"``)
 
 
 def _released(body: dict[str, Any], leases: LeaseTable) -> list[str]:
@@ -199,6 +204,11 @@ async def _get_shared(request: web.Request, asked: _GetRequest) -> web.Response:
     each extent's generation as it was when pinned (the client's proof, after
     copying, that the extent was not freed meanwhile: ``client.blocks``).
 
+    A client that can copy device memory (``device_memory``) is shown the HBM
+    blocks the same way, in the HBM arena whose handle the answer carries
+    (``"hbm"``, ``kvstore.tiers.hbm``), if that arena is shared; otherwise HBM
+    blocks are ``inline``, as every other block not in DRAM.
+
     ``release_with_get`` tells the client that it may give this lease back by
     naming it in a later get (``_released``), so a client that gets again soon
     sends one request per get rather than two.
@@ -209,9 +219,10 @@ async def _get_shared(request: web.Request, asked: _GetRequest) -> web.Response:
     name = serving.shared_memory_name
     if name is None:
         raise WireError(ErrorCode.NOT_FOUND, "this daemon has no DRAM tier; use 'bytes'")
-    lease, shared, located = await asyncio.to_thread(_share, request.app[LEASES], asked)
-    dram = request.app[STORE].tier(TierKind.DRAM)
-    assert isinstance(dram, DRAMTier), "a shared-memory name comes from a DRAM tier"
+    hbm = serving.hbm_handle if asked.device_memory else None
+    lease, shared, located = await asyncio.to_thread(
+        _share, request.app[LEASES], asked, hbm is not None
+    )
     entries: list[dict[str, Any]] = []
     elsewhere = iter(located)
     for key, block in zip(asked.keys, shared, strict=True):
@@ -221,35 +232,37 @@ async def _get_shared(request: web.Request, asked: _GetRequest) -> web.Response:
                     "key": key.hex(),
                     "offset": block.offset,
                     "length": block.nbytes,
-                    "tier": "dram",
+                    "tier": block.tier.label,
                     # The client checks this counter after its copy (client.blocks).
                     "generation": block.generation,
-                    "generation_at": dram.generation_offset(block.offset),
+                    "generation_at": serving.generation_offset(block),
                 }
             )
         elif next(elsewhere) is not None:
             entries.append({"key": key.hex(), "inline": True})
         else:
             entries.append({"key": key.hex(), "missing": True})
-    return web.json_response(
-        {
-            "lease": lease.id,
-            "expires_in_s": lease.ttl_s,
-            "release_with_get": True,
-            "shm": name,
-            "blocks": entries,
-        }
-    )
+    grant: dict[str, Any] = {
+        "lease": lease.id,
+        "expires_in_s": lease.ttl_s,
+        "release_with_get": True,
+        "shm": name,
+        "blocks": entries,
+    }
+    if hbm is not None:
+        grant["hbm"] = hbm.to_json()
+    return web.json_response(grant)
 
 
 def _share(
-    leases: LeaseTable, asked: _GetRequest
+    leases: LeaseTable, asked: _GetRequest, hbm: bool
 ) -> tuple[Lease, list[SharedBlock | None], list[TierKind | None]]:
     """Give back the leases ``asked`` releases (first: it frees their slots), lease
-    the DRAM blocks, and locate the others (inline or missing). Worker thread."""
+    the DRAM blocks (and with ``hbm`` the HBM ones), and locate the others (inline
+    or missing). Worker thread."""
     if asked.released:
         leases.release_many(asked.released)
-    lease, shared = leases.grant(asked.namespace, asked.keys)
+    lease, shared = leases.grant(asked.namespace, asked.keys, hbm=hbm)
     others = [key for key, block in zip(asked.keys, shared, strict=True) if block is None]
     located = leases.serving.locate(asked.namespace, others) if others else []
     leases.serving.count_shared_get(located.count(None))

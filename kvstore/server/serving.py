@@ -4,7 +4,9 @@ A ``TieredStore`` is all an embedded engine needs. A daemon serving other
 processes needs two more paths:
 
 * out: a same-host client copies blocks straight out of the arena under a
-  lease (``share``), and a bytes get sends them from where they lie
+  lease (``share``): the DRAM arena, mapped read-only, and the HBM arena,
+  opened by its handle (``hbm_handle``) when the client can copy device
+  memory; a bytes get sends blocks from where they lie
   (``serve`` / ``read_served`` / ``release_served``);
 * in: received blocks are stored as they came (``put_blocks``), and a put's
   blocks are copied from the received pieces straight into
@@ -36,18 +38,21 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
 from kvstore.store.placement import Reserved
+from kvstore.tiers.arena_handle import ArenaHandle, SharedDeviceTier
+from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.kinds import TierKind
 
 
 @dataclass(frozen=True, slots=True)
 class SharedBlock:
-    """Where a pinned block lies in the DRAM arena's shared memory."""
+    """Where a pinned block lies in a shared arena: DRAM's, or HBM's (``tier``)."""
 
     key: ChunkKey
     offset: int
     nbytes: int
     generation: int = 0  # of its extent when pinned (``ArenaTier.extent_of``)
+    tier: TierKind = TierKind.DRAM
 
 
 @dataclass(slots=True)
@@ -87,25 +92,50 @@ class SharedServing:
         guarded = self._core.placement.tiers.get(TierKind.DRAM)
         return guarded.tier if guarded is not None and isinstance(guarded.tier, DRAMTier) else None
 
+    def _hbm(self) -> ArenaTier | None:
+        """The HBM tier, if there is one and its arena can be shared."""
+        guarded = self._core.placement.tiers.get(TierKind.HBM)
+        tier = guarded.tier if guarded is not None else None
+        if isinstance(tier, ArenaTier) and _handle(tier) is not None:
+            return tier
+        return None
+
+    @property
+    def hbm_handle(self) -> ArenaHandle | None:
+        """How a client opens the HBM arena (``None``: no HBM tier, or not shared)."""
+        hbm = self._hbm()
+        return _handle(hbm) if hbm is not None else None
+
+    def generation_offset(self, block: SharedBlock) -> int:
+        """Where a shared block's generation counter lies in its tier's segment."""
+        tier = self._dram() if block.tier is TierKind.DRAM else self._hbm()
+        assert isinstance(tier, DRAMTier | SharedDeviceTier), "shared only from such tiers"
+        return tier.generation_offset(block.offset)
+
     @property
     def shared_memory_name(self) -> str | None:
         """Name of the DRAM arena's shared-memory segment (``None`` without a DRAM tier)."""
         dram = self._dram()
         return dram.arena.name if dram is not None else None
 
-    def share(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[SharedBlock | None]:
-        """Pin each key held in DRAM and say where its block lies in the shared arena.
+    def share(
+        self, namespace: Namespace, keys: Sequence[ChunkKey], *, hbm: bool = False
+    ) -> list[SharedBlock | None]:
+        """Pin each key held in DRAM (or, with ``hbm``, in a shared HBM arena) and say
+        where its block lies in that arena.
 
-        For same-host clients that map the arena (``shared_memory_name``) and
-        copy blocks out themselves. Every key returned (not ``None``) stays
-        pinned, so it cannot be evicted and its extent cannot be reused, until
-        the caller ``unpin``s it. Keys not in DRAM are ``None`` and not pinned.
-        The blocks shared count as DRAM hits.
+        For same-host clients that map the DRAM arena (``shared_memory_name``),
+        and with ``hbm`` open the HBM arena (``hbm_handle``), and copy blocks out
+        themselves: a block in both is shared from HBM, the cheaper copy into
+        device memory. Every key returned (not ``None``) stays pinned, so it
+        cannot be evicted and its extent cannot be reused, until the caller
+        ``unpin``s it. Other keys are ``None`` and not pinned. The blocks shared
+        count as hits of their tier.
         """
-        dram = self._dram()
+        tiers = self._shared_tiers(hbm=hbm)
         with self._core.lock:
             self._core.check_open()
-            shared = [self._pin_shared(dram, namespace, key) for key in keys]
+            shared = [self._pin_shared(tiers, namespace, key) for key in keys]
             self._count_shared(shared)
         return shared
 
@@ -120,7 +150,7 @@ class SharedServing:
         """
         keys = list(keys)
         located = self._core.locate(namespace, keys)
-        dram = self._dram()
+        dram = self._shared_tiers(hbm=False)
         framed_bytes = HEADER_BYTES + namespace.layout.chunk_nbytes
         with self._core.lock:
             self._core.check_open()
@@ -210,28 +240,37 @@ class SharedServing:
             raise KVStoreError("this store has no DRAM tier")
         return dram.arena.view(block.offset, block.nbytes)
 
+    def _shared_tiers(self, *, hbm: bool) -> list[ArenaTier]:
+        """The arenas a block may be shared from, in the order they are preferred."""
+        candidates = (self._hbm() if hbm else None, self._dram())
+        return [tier for tier in candidates if tier is not None]
+
     def _pin_shared(
-        self, dram: DRAMTier | None, namespace: Namespace, key: ChunkKey
+        self, tiers: Sequence[ArenaTier], namespace: Namespace, key: ChunkKey
     ) -> SharedBlock | None:
-        """Pin ``key`` and say where it lies if DRAM holds it; ``None`` otherwise. Lock held."""
+        """Pin ``key`` and say where it lies in the first of ``tiers`` holding it;
+        ``None`` if none does. Lock held."""
         meta = self._core.index.get(key)
-        if dram is None or meta is None or TierKind.DRAM not in meta.sizes:
+        if meta is None:
             return None
-        extent = dram.extent_of(namespace.digest, key)
-        if extent is None:
-            return None
-        meta.pins += 1
-        return SharedBlock(key, extent.offset, extent.nbytes, extent.generation)
+        for tier in tiers:
+            if tier.kind not in meta.sizes:
+                continue
+            extent = tier.extent_of(namespace.digest, key)
+            if extent is not None:
+                meta.pins += 1
+                return SharedBlock(key, extent.offset, extent.nbytes, extent.generation, tier.kind)
+        return None
 
     def _count_shared(self, shared: Sequence[SharedBlock | None]) -> None:
-        """Count shared blocks as DRAM hits and mark them used. Lock held."""
+        """Count shared blocks as hits of their tiers and mark them used. Lock held."""
         served = [block for block in shared if block is not None]
-        if not served:
-            return
-        counters = self._core.stats.tier(TierKind.DRAM)
-        counters.hits += len(served)
-        counters.bytes_read += sum(block.nbytes for block in served)
-        self._core.placement.touch([block.key for block in served])
+        for block in served:
+            counters = self._core.stats.tier(block.tier)
+            counters.hits += 1
+            counters.bytes_read += block.nbytes
+        if served:
+            self._core.placement.touch([block.key for block in served])
 
     def reserve_dram(self, nbytes: int, codec: Codec, protect: frozenset[ChunkKey]) -> int | None:
         """An extent of the DRAM arena reserved for a received block of ``nbytes`` in
@@ -319,6 +358,11 @@ class SharedServing:
         finally:
             self.unreserve_dram(sorted(unpublished))
         return stored + len(published)
+
+
+def _handle(tier: object) -> ArenaHandle | None:
+    """How clients open ``tier``'s arena, if it is one they may open."""
+    return tier.handle() if isinstance(tier, SharedDeviceTier) else None
 
 
 def _check_framed(namespace: Namespace, key: ChunkKey, block: Block) -> None:

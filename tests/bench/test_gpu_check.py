@@ -52,3 +52,24 @@ def test_the_goals_are_read_off_the_engine_benchmark() -> None:
     no_32k = gpu_check.goals({"results": [row("dram", 8192, 20, 1)]})
     assert no_32k["dram_32k_speedup"] is None  # a run that never reached 32K meets no goal there
     assert list(no_32k["met"].values()) == [False, False, True]
+
+
+def test_the_cuda_ipc_step_reports_the_ipc_tests_of_the_cuda_tests_report(tmp_path: Path) -> None:
+    check = gpu_check.Check(tmp_path)
+    check.cuda = True
+    missing = gpu_check.Step("cuda_ipc")
+    gpu_check.cuda_ipc(check, missing)
+    assert (missing.status, missing.reason) == ("failed", "the cuda_tests step wrote no report")
+    (tmp_path / "cuda_tests.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase name="test_hbm_on_cuda_round_trip_and_capacity"/>'
+        '<testcase name="test_cuda_ipc_copies"><system-out>log</system-out></testcase>'
+        '<testcase name="test_cuda_ipc_opens"><failure message="boom"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    step = gpu_check.Step("cuda_ipc")
+    gpu_check.cuda_ipc(check, step)
+    assert step.figures == {
+        "tests": {"test_cuda_ipc_copies": "passed", "test_cuda_ipc_opens": "failure"}
+    }
+    assert (step.status, step.reason) == ("failed", "test_cuda_ipc_opens")

@@ -27,6 +27,7 @@ from support.client_data import (
     feed_in_pieces,
     flip,
     frames,
+    leased,
     mapped_blocks,
     payload_of,
 )
@@ -389,20 +390,6 @@ def dram() -> Iterator[DRAMTier]:
         yield tier
     finally:
         tier.close()
-
-
-def leased(tier: DRAMTier, key: ChunkKey) -> LeasedBlock:
-    """The entry a daemon's lease gives for ``key`` (``routes._get_shared``)."""
-    extent = tier.extent_of(NS.digest, key)
-    assert extent is not None
-    return LeasedBlock(
-        extent.offset,
-        extent.nbytes,
-        TierKind.DRAM,
-        inline=False,
-        generation=extent.generation,
-        generation_at=tier.generation_offset(extent.offset),
-    )
 
 
 def store_blocks(tier: DRAMTier, blocks: list[tuple[ChunkKey, bytes]]) -> None:

@@ -1,6 +1,7 @@
 """What the daemon asks of the store: received blocks stored as they came
-(``put_blocks``), bytes gets served from where blocks lie (``SharedServing``), and
-lookups answered from memory alone (``lookup_nowait``)."""
+(``put_blocks``), bytes gets served from where blocks lie (``SharedServing``),
+lookups answered from memory alone (``lookup_nowait``), and HBM blocks leased to a
+client that copies device memory."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kvstore.block import (
     stored_block,
 )
 from kvstore.errors import CorruptBlock
+from kvstore.server.leases import LeaseTable
 from kvstore.server.serving import SharedServing
 from kvstore.store.chunk import chunk_bytes
 from kvstore.tiers.local_redis import RedisServer
@@ -152,3 +154,30 @@ def test_lookup_nowait_answers_from_memory_only(tmp_path: Path, clean_redis: Red
             holder.join()
     with TieredStore(kv.config(kv.dram(8), kv.redis(clean_redis.url))) as store:
         assert store.lookup_nowait(ns, kv.tokens(2)) is None  # Redis must be asked
+
+
+def test_a_lease_pins_hbm_blocks_for_a_device_client_and_its_release_unpins_them() -> None:
+    """A store of a shared HBM arena over DRAM: a device client's lease shows HBM
+    blocks from HBM (pinned, with their counters in the HBM generations segment),
+    one without device memory is shown only DRAM's; releasing unpins either."""
+    ns = kv.namespace()
+    with TieredStore(kv.config(kv.hbm(4), kv.dram(4))) as store:
+        keys = store.keys_for(ns, kv.tokens(3))
+        store.put(ns, kv.tokens(3), kv.chunks(3))
+        assert store.lookup(ns, keys).tiers == (TierKind.HBM,) * 3
+        serving = SharedServing(store.core)
+        assert serving.hbm_handle is not None
+        table = LeaseTable(serving, ttl_s=5.0, max_leases=4)
+        lease, shared = table.grant(ns, keys, hbm=True)
+        assert [block.tier for block in shared if block is not None] == [TierKind.HBM] * 3
+        for block in shared:
+            assert block is not None
+            assert serving.generation_offset(block) == 8 * (block.offset // 4096)
+            meta = store.core.index.get(block.key)
+            assert meta is not None and meta.pins == 1
+        assert store.stats().tiers[TierKind.HBM].hits == 3
+        _, without = table.grant(ns, keys)
+        assert without == [None] * 3  # held in HBM only, so nothing to map
+        assert table.release(lease.id) == 3
+        metas = [store.core.index.get(key) for key in keys]
+        assert [meta.pins if meta else None for meta in metas] == [0, 0, 0]

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 
 from kvstore.block import encode_block
-from kvstore.client.blocks import FramesSink
+from kvstore.client.blocks import FramesSink, LeasedBlock
 from kvstore.client.shm import SharedArena
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.store.chunk import chunk_bytes
+from kvstore.tiers.dram import DRAMTier
+from kvstore.tiers.hbm import HBMTier
 from kvstore.wire.frames import encode_frames
 from support import kv
 
@@ -22,6 +24,20 @@ NS = kv.namespace(salt="protocol")
 TOKENS = kv.tokens(3)
 KEYS = chunk_keys(NS, TOKENS)
 CHUNKS = kv.chunks(3)
+
+
+def leased(tier: DRAMTier | HBMTier, key: ChunkKey, namespace: Namespace = NS) -> LeasedBlock:
+    """The entry a daemon's lease gives for ``key`` (``routes._get_shared``)."""
+    extent = tier.extent_of(namespace.digest, key)
+    assert extent is not None
+    return LeasedBlock(
+        extent.offset,
+        extent.nbytes,
+        tier.kind,
+        inline=False,
+        generation=extent.generation,
+        generation_at=tier.generation_offset(extent.offset),
+    )
 
 
 def block_bytes(namespace: Namespace, key: ChunkKey, chunk: torch.Tensor) -> bytes:
