@@ -7,13 +7,14 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from support import kv
 from support.browser import CHROMIUM, open_page
 from support.daemon import Daemon
-from support.http_kv import frames_body, make_chain, put_raw, register
+from support.http_kv import frames_body, get_bytes, lookup, make_chain, put_raw, register
 from support.predictor_events import OWN_CLOCK, T0, finished, post, processed, started, stats
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
@@ -48,12 +49,15 @@ def test_the_page_is_served_without_the_token_and_the_data_is_not(
         assert client.get("/v1/stats").status_code == 401
 
 
-def put_chain(client: httpx.Client, n_chunks: int, start: int, session: str | None) -> None:
-    ns = kv.namespace(salt="status-page")
-    register(client, ns)
-    chain = make_chain(ns, n_chunks, start=start)
-    body = frames_body(ns, chain.keys, chain.blocks, session=session)
+NS = kv.namespace(salt="status-page")
+
+
+def put_chain(client: httpx.Client, n_chunks: int, start: int, session: str | None) -> list[Any]:
+    register(client, NS)
+    chain = make_chain(NS, n_chunks, start=start)
+    body = frames_body(NS, chain.keys, chain.blocks, session=session)
     assert put_raw(client, body).json() == {"stored": n_chunks}
+    return list(chain.keys)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
@@ -88,8 +92,13 @@ async def test_the_page_shows_tiers_sessions_and_decisions_and_redraws(
         assert await page.evaluate("document.getElementById('error').hidden") is True
 
         with daemon.client() as client:
-            put_chain(client, 3, 50_000, None)
+            keys = put_chain(client, 3, 50_000, None)
+            assert lookup(client, NS, keys)["num_chunks"] == 3
+            assert all(block is not None for block in get_bytes(client, NS, keys)[1])
         await page.wait_for("document.getElementById('totals').textContent.includes('stored 7')")
+        # The charts: the lookups' token hit rate and the tier that served the hits.
+        legend = await page.wait_for("document.getElementById('hit-rate-legend').innerText")
+        assert "lookups 100.0%" in legend and "dram 100.0%" in legend
         shot = tmp_path / "status_page.png"
         await page.screenshot(shot)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ if (params.has("token")) {
 }
 const REFRESH_MS = Number(params.get("refresh")) || 2000;
 const HISTORY = 150; // points kept for the charts
-const COLORS = { hbm: "#6a1b9a", dram: "#1565c0", ssd: "#2e7d32", redis: "#c62828" };
-const history_ = { hitRate: [], use: {} };
+const COLORS = { lookups: "#1d232a", hbm: "#6a1b9a", dram: "#1565c0", ssd: "#2e7d32", redis: "#c62828" };
+const history_ = { hitRate: {}, use: {} };
 let previous = null;
 
 async function api(path) {
@@ -85,12 +85,17 @@ function drawTiers(stats) {
   if (previous) {
     const asked = s.lookup_tokens - previous.store.lookup_tokens;
     const hit = s.lookup_hit_tokens - previous.store.lookup_hit_tokens;
-    if (asked > 0) push(history_.hitRate, hit / asked);
+    if (asked > 0) push((history_.hitRate.lookups ||= []), hit / asked);
+    // Which tier served the chunk hits since the last refresh.
+    const before = previous.store.tiers;
+    const served = Object.entries(tiers).map(([name, t]) => [name, t.hits - (before[name] ? before[name].hits : 0)]);
+    const total = served.reduce((sum, [, n]) => sum + n, 0);
+    if (total > 0) for (const [name, n] of served) push((history_.hitRate[name] ||= []), n / total);
   }
   for (const [name, t] of Object.entries(tiers)) {
     push((history_.use[name] ||= []), t.capacity_bytes ? t.used_bytes / t.capacity_bytes : 0);
   }
-  chart("hit-rate", { lookups: history_.hitRate });
+  chart("hit-rate", history_.hitRate);
   chart("tier-use", history_.use);
   previous = stats;
 }
@@ -116,6 +121,13 @@ function chart(id, series) {
     line.setAttribute("stroke", COLORS[name] || "#444");
     line.dataset.series = name;
     svg.appendChild(line);
+    // The latest value as a dot, so a series is visible from its first refresh on.
+    const dot = document.createElementNS("http://www.w3.org/2000/svg", "circle");
+    dot.setAttribute("cx", String((values.length - 1) * step));
+    dot.setAttribute("cy", String(58 - 56 * values[values.length - 1]));
+    dot.setAttribute("r", "2.5");
+    dot.setAttribute("fill", COLORS[name] || "#444");
+    svg.appendChild(dot);
   }
 }
 
