@@ -27,6 +27,7 @@ One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``)::
       EmbeddedClient | Async...      embedded.py         embedded:// (a store in this process)
     hf/                              transformers models on the store
     vllm/                            vLLM's KV connector
+    sglang/                          SGLang HiCache's L3 storage backend
 
 Session events (``RequestStarted``, ...) are ``kvstore.wire.events``: one schema
 for the client, the daemon and the predictor. May import: the format, the

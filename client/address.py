@@ -6,6 +6,10 @@
     http://127.0.0.1:8470                the daemon over TCP (bearer token required)
     embedded://                          an in-process store, configured from the environment
     embedded:///etc/kvstore/store.toml   an in-process store from a TOML file
+
+An engine integration (vLLM's connector, SGLang's storage backend) that is not
+given a URL connects to ``$KVSTORE_URL``, else to the daemon's default socket
+(``engine_url``).
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import enum
 import os
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvstore.errors import ConfigError
 
 TOKEN_ENV = "KVSTORE_AUTH_TOKEN"
+URL_ENV = "KVSTORE_URL"
+DEFAULT_URL = f"unix://{Path.home() / '.cache' / 'kvstore' / 'kvstore.sock'}"
 
 
 class Scheme(enum.Enum):
@@ -60,3 +67,9 @@ def bearer_token(address: Address, token: str | None) -> str | None:
     if address.scheme is not Scheme.HTTP:
         return None
     return token if token is not None else os.environ.get(TOKEN_ENV) or None
+
+
+def engine_url(configured: str | None) -> str:
+    """The URL an engine integration connects to: its own setting, else ``$KVSTORE_URL``,
+    else the daemon's default socket."""
+    return configured or os.environ.get(URL_ENV) or DEFAULT_URL

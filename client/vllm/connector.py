@@ -48,9 +48,7 @@ report what they lack as load errors; loads are synchronous, not layer-wise.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -67,6 +65,7 @@ except ImportError as error:  # the main test suite and plain installs have no v
 
 import torch
 
+from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.scheduler import SchedulerSide
@@ -81,8 +80,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-DEFAULT_URL = f"unix://{Path.home() / '.cache' / 'kvstore' / 'kvstore.sock'}"
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 
@@ -106,8 +103,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer_config = self._kv_transfer_config
-        url = transfer_config.get_from_extra_config("url", None)
-        url = url or os.environ.get("KVSTORE_URL") or DEFAULT_URL
+        url = engine_url(transfer_config.get_from_extra_config("url", None))
         timeout_s = float(transfer_config.get_from_extra_config("timeout_s", 2.0))
         batch_blocks = int(transfer_config.get_from_extra_config("batch_blocks", 32))
         self._store: KVClient = connect(url, timeout_s=timeout_s)
