@@ -46,8 +46,7 @@ def parameters(method: Callable[..., Any]) -> list[tuple[str, Any, Any, Any]]:
     """Name, kind, default and annotation of each parameter but ``self``."""
     signature = inspect.signature(method)
     return [
-        (p.name, p.kind, p.default, p.annotation)
-        for p in list(signature.parameters.values())[1:]
+        (p.name, p.kind, p.default, p.annotation) for p in list(signature.parameters.values())[1:]
     ]
 
 
@@ -75,8 +74,10 @@ def test_the_awaitable_store_mirrors_every_operation_of_the_blocking_one(name: s
 
 def test_the_protocols_differ_only_in_being_awaited() -> None:
     for blocking, awaitable in ((KVStoreAPI, AsyncKVStoreAPI), (KVClientAPI, AsyncKVClientAPI)):
-        names = [n.replace("__enter__", "__aenter__").replace("__exit__", "__aexit__")
-                 for n in members(blocking)]
+        names = [
+            n.replace("__enter__", "__aenter__").replace("__exit__", "__aexit__")
+            for n in members(blocking)
+        ]
         assert sorted(names) == members(awaitable)
         for name in members(blocking):
             twin = name.replace("__enter__", "__aenter__").replace("__exit__", "__aexit__")

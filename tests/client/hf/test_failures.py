@@ -9,16 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import pytest
 import torch
 from support import hf_models
 from support.daemon import Daemon
 from support.hf_models import CHUNK
+from support.lmdb_blocks import damage_block
 
 import kvstore
 from kvstore import CachedPrefix, TierKind
-from kvstore.block import HEADER_BYTES
 from kvstore.client.embedded import EmbeddedClient
 from kvstore.client.hf import HFKVStore
 from kvstore.keys import chunk_keys
@@ -41,12 +40,7 @@ def test_a_corrupt_block_in_lmdb_is_recomputed_from_the_last_good_chunk(
         kv = HFKVStore(model, client, chunk_tokens=CHUNK)
         assert kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).report.saved_chunks
     keys = chunk_keys(kv.namespace, ids[0].numpy())
-    env = lmdb.open(str(tmp_path / "lmdb"), subdir=True)
-    with env.begin(write=True) as txn:  # flip one payload byte of chunk 2, behind the store
-        value = bytearray(txn.get(kv.namespace.digest + keys[2]))
-        value[HEADER_BYTES + 100] ^= 0x01
-        txn.put(kv.namespace.digest + keys[2], bytes(value))
-    env.close()
+    damage_block(tmp_path / "lmdb", kv.namespace, keys[2])  # chunk 2, behind the store
     with EmbeddedClient(config) as client:
         kv = HFKVStore(model, client, chunk_tokens=CHUNK)
         result = kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, layerwise=layerwise)

@@ -22,10 +22,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make test-vllm` runs these")
 
-import lmdb  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from support.daemon import Daemon, running_daemon  # noqa: E402
+from support.lmdb_blocks import damage_block  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
@@ -34,7 +34,6 @@ from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core import kv_cache_utils  # noqa: E402
 
 import kvstore  # noqa: E402
-from kvstore.block import HEADER_BYTES  # noqa: E402
 from kvstore.client.vllm.pages import PageFormat  # noqa: E402
 from kvstore.keys import ChunkKey, Namespace  # noqa: E402
 from kvstore.store.stats import StoreStats  # noqa: E402
@@ -198,14 +197,5 @@ def damage_stored_block(daemon: Daemon, namespace: Namespace, key: ChunkKey) -> 
     """Flip one payload bit of ``key``'s block, with the daemon stopped (as a disk
     would), then start the daemon again."""
     daemon.stop()
-    env = lmdb.open(str(daemon.data_dir / "lmdb"), subdir=True)
-    try:
-        with env.begin(write=True) as txn:
-            value = txn.get(namespace.digest + key)
-            assert value is not None, "the block to damage is not in LMDB"
-            position = HEADER_BYTES + 777
-            damaged = value[:position] + bytes([value[position] ^ 0x10]) + value[position + 1 :]
-            txn.put(namespace.digest + key, damaged)
-    finally:
-        env.close()
+    damage_block(daemon.data_dir / "lmdb", namespace, key, offset=777)
     daemon.start()

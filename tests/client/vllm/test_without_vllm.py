@@ -10,7 +10,7 @@ import pytest
 
 
 @pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is not None,
+    importlib.util.find_spec("vllm") is not None,
     reason="vLLM is installed here",
 )
 def test_the_connector_module_names_what_is_missing() -> None:
