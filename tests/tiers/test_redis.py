@@ -430,7 +430,10 @@ def test_cluster_serves_a_dead_masters_slots_from_its_promoted_replica(
         victim = cluster.masters()[0]
         held = [cluster.port_for_key(redis_key(NS, k)) == victim.port for k in keys]
         assert any(held)
-        victim.command("WAIT", "1", "5000")  # replicated before the kill
+        # Replicated before the kill: the replica acknowledged the writes (a few tries
+        # of 5 s, as a loaded machine may keep the replica from answering in time).
+        acked = (victim.command("WAIT", "1", "5000").strip() for _ in range(3))
+        assert b":1" in acked, "the replica never acknowledged the writes"
         killed = time.monotonic()
         cluster.fail_over(victim)
         first = tier.get_many(NS.digest, keys)  # the dead address fails: its breaker opens
