@@ -22,6 +22,7 @@ from urllib.parse import quote
 from kvstore.cli.daemon_client import CommandFailed, DaemonClient
 from kvstore.cli.tables import duration, human_bytes, score, table
 from kvstore.config import TOKEN_VARIABLE
+from kvstore.errors import ConfigError
 
 DAEMON_COMMANDS = {
     "stats": "print a running daemon's statistics",
@@ -60,7 +61,6 @@ def _url(args: argparse.Namespace) -> str:
     if args.url is not None:
         return str(args.url)
     # Only here: finding the socket means reading the config, which imports the store's.
-    from kvstore.errors import ConfigError
     from kvstore.server.config import ServiceConfig
 
     try:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from support import kv
 from support.daemon import Daemon
-from support.http_kv import frames_body, lookup, make_chain, put_raw, register
+from support.http_kv import lookup, make_chain, put, register
 from support.predictor_events import OWN_CLOCK, T0, finished, post, processed, started, stats
 
 from kvstore.keys import Namespace
@@ -53,8 +53,7 @@ def put_chain(
 ) -> list[Any]:
     register(client, ns)
     chain = make_chain(ns, n_chunks, start=start)
-    response = put_raw(client, frames_body(ns, chain.keys, chain.blocks, session=session))
-    assert response.status_code == 200 and response.json() == {"stored": n_chunks}
+    assert put(client, chain, session=session) == n_chunks
     return list(chain.keys)
 
 

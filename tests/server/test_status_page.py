@@ -14,7 +14,7 @@ import pytest
 from support import kv
 from support.browser import CHROMIUM, open_page
 from support.daemon import Daemon
-from support.http_kv import frames_body, get_bytes, lookup, make_chain, put_raw, register
+from support.http_kv import get_bytes, lookup, make_chain, put, register
 from support.predictor_events import OWN_CLOCK, T0, finished, post, processed, started, stats
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
@@ -55,8 +55,7 @@ NS = kv.namespace(salt="status-page")
 def put_chain(client: httpx.Client, n_chunks: int, start: int, session: str | None) -> list[Any]:
     register(client, NS)
     chain = make_chain(NS, n_chunks, start=start)
-    body = frames_body(NS, chain.keys, chain.blocks, session=session)
-    assert put_raw(client, body).json() == {"stored": n_chunks}
+    assert put(client, chain, session=session) == n_chunks
     return list(chain.keys)
 
 

@@ -81,7 +81,9 @@ def put(
     blocks: Sequence[bytes | None] | None = None,
     session: str | None = None,
 ) -> int:
-    body = frames_body(chain.namespace, chain.keys, chain.blocks if blocks is None else blocks)
+    body = frames_body(
+        chain.namespace, chain.keys, chain.blocks if blocks is None else blocks, session
+    )
     response = put_raw(client, body)
     assert response.status_code == 200, response.text
     stored = response.json()["stored"]
