@@ -17,13 +17,22 @@ it is calibrated from its first label and needs no optimiser:
   counted, not assumed; the learner keeps one count for sessions that were
   waiting on a tool (a parent whose subagent just started comes back) and one
   for the rest.
+
+``Counts`` holds one learner's tables. They are learnt from the same labels as
+the model's weights, so they are saved in the same file (``ReturnModel.save``):
+a daemon that restarts, or one started from a pre-trained file, forecasts from
+what was counted, not from the priors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from kvstore.errors import ConfigError
 
 HUMAN_GAP_EDGES = (60.0, 180.0, 600.0, 1800.0, 3600.0)
 """Bin bounds of the previous human gap (seconds), around the placement horizons."""
@@ -109,3 +118,71 @@ class SupersededReturns:
         coming back at all: a superseded session that returns does so as it would have."""
         rate = self.rate()
         return tuple(min(1.0, max(0.0, rate * p)) for p in probabilities)
+
+
+@dataclass
+class Counts:
+    """The counting forecasters of one model: tool returns, the human-gap table, and
+    superseded returns, kept apart for sessions waiting on a tool (``True``) or not."""
+
+    tools: ToolReturns
+    gap_table: HumanGapTable
+    superseded: dict[bool, SupersededReturns]
+
+    @classmethod
+    def fresh(cls, horizons: Sequence[float]) -> Counts:
+        """Every table at its prior; superseded sessions count as not back after the
+        longest horizon."""
+        within = max(horizons)
+        return cls(
+            ToolReturns(horizons),
+            HumanGapTable(horizons),
+            {tool: SupersededReturns(within) for tool in (False, True)},
+        )
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain lists and numbers, which ``torch.load(weights_only=True)`` reads back."""
+        table = self.gap_table
+        return {
+            "tools": [list(self.tools.within), list(self.tools.known)],
+            "gap_table": [
+                table.within.tolist(),
+                table.known.tolist(),
+                table.pooled_within.tolist(),
+                table.pooled_known.tolist(),
+            ],
+            "superseded": {
+                str(tool).lower(): [counts.returned, counts.known]
+                for tool, counts in self.superseded.items()
+            },
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], horizons: Sequence[float]) -> Counts:
+        """The tables ``to_state`` wrote, for a model with ``horizons``; a ``ConfigError``
+        if they do not fit them (a file edited or made by another version)."""
+        counts = cls.fresh(horizons)
+        width = len(horizons)
+        try:
+            within, known = (np.asarray(part, dtype=np.float64) for part in state["tools"])
+            gap_parts = [np.asarray(part, dtype=np.float64) for part in state["gap_table"]]
+            superseded = {
+                tool: [float(value) for value in state["superseded"][str(tool).lower()]]
+                for tool in (False, True)
+            }
+        except (KeyError, TypeError, ValueError) as error:
+            raise ConfigError(f"the saved counts are malformed: {error!r}") from None
+        table = counts.gap_table
+        shapes = [(width,), (width,), table.within.shape, table.known.shape, (width,), (width,)]
+        parts = [within, known, *gap_parts]
+        if len(parts) != len(shapes) or any(
+            part.shape != shape for part, shape in zip(parts, shapes, strict=True)
+        ):
+            raise ConfigError(f"the saved counts do not fit a model of {width} horizons")
+        if any(len(pair) != 2 for pair in superseded.values()):
+            raise ConfigError("the saved superseded counts are malformed")
+        counts.tools.within, counts.tools.known = within.tolist(), known.tolist()
+        table.within, table.known, table.pooled_within, table.pooled_known = gap_parts
+        for tool, (returned, seen) in superseded.items():
+            counts.superseded[tool].returned, counts.superseded[tool].known = returned, seen
+        return counts

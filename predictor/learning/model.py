@@ -27,7 +27,11 @@ Why this shape:
   lets them follow a drifting workload) and saved with the weights.
 
 Persistence is ``torch.save`` of plain tensors and numbers, loaded with
-``weights_only=True``: a model file can never run code.
+``weights_only=True``: a model file can never run code. The file also holds the
+counting forecasters the online learner keeps beside the model (``counts``,
+``learning.counting.Counts``): both are learnt from the same labels, and an
+operator moves one file between hosts. A file without them starts them at their
+priors.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 from torch import nn
 
 from kvstore.errors import ConfigError
+from kvstore.predictor.learning.counting import Counts
 
 DEFAULT_HORIZONS = (60.0, 600.0, 3600.0)
 
@@ -125,7 +130,8 @@ class ReturnModel(nn.Module):
     ``update`` takes one optimiser step (Adam, ``lr``) on the batch it is given,
     then the ``rehearsal`` steps on recent labels (``None``, the default: none): the
     online learner calls it once per batch of newly known labels. The rehearsal
-    ring is working memory, not saved: a reloaded model refills it.
+    ring is working memory, not saved: a reloaded model refills it. ``counts`` are the
+    learner's counting tables for this model's horizons, saved with it.
     """
 
     feature_mean: torch.Tensor
@@ -177,6 +183,7 @@ class ReturnModel(nn.Module):
         self._seen = 0  # rows ever remembered; the ring holds the last ``window``
         self._due = 0  # labelled rows not yet paid for with a rehearsal step
         self._rng = np.random.default_rng(0)  # fixed: a replay must repeat exactly
+        self.counts = Counts.fresh(horizons)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of P(return within h), shape ``(n, H)``, nondecreasing along ``H``."""
@@ -259,6 +266,7 @@ class ReturnModel(nn.Module):
                 else [self.rehearsal.window, self.rehearsal.batch, self.rehearsal.every],
                 "state": self.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                "counts": self.counts.to_state(),
             },
             path,
         )
@@ -276,6 +284,12 @@ class ReturnModel(nn.Module):
         )
         model.load_state_dict(data["state"])
         model.optimizer.load_state_dict(data["optimizer"])
+        counts = data.get("counts")
+        if counts is not None:
+            try:
+                model.counts = Counts.from_state(counts, model.horizons)
+            except ConfigError as error:
+                raise ConfigError(f"{path}: {error}") from None
         return model
 
     def _tensor(self, features: np.ndarray) -> torch.Tensor:

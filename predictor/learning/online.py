@@ -31,8 +31,6 @@ import numpy as np
 from kvstore.keys import ChunkKey
 from kvstore.predictor.learning.counting import (
     HumanGapTable,
-    SupersededReturns,
-    ToolReturns,
     blend,
 )
 from kvstore.predictor.learning.features import feature_vector
@@ -112,14 +110,14 @@ class OnlineLearner:
         # then, so the heap holds at most the forecasts of the last (largest horizon) seconds.
         self._deadlines: list[tuple[float, int, int, _Open]] = []
         self._sequence = 0
-        self._tools = ToolReturns(model.horizons)
-        self._gap_table = HumanGapTable(model.horizons)
-        # Keyed by whether the superseded session was waiting on a tool: a parent whose
-        # subagent just started is back when it ends; a session whose user walked away
-        # mid-task, or a trace that stops at a tool call, never is.
-        self._superseded = {
-            tool: SupersededReturns(within=max(model.horizons)) for tool in (False, True)
-        }
+        # The counting tables live with the model (saved in its file). Superseded returns
+        # are keyed by whether the session was waiting on a tool: a parent whose subagent
+        # just started is back when it ends; a session whose user walked away mid-task,
+        # or a trace that stops at a tool call, never is.
+        counts = model.counts
+        self._tools = counts.tools
+        self._gap_table = counts.gap_table
+        self._superseded = counts.superseded
         # (deadline, sequence, forecast): when a superseded session counts as not back.
         self._superseded_deadlines: list[tuple[float, int, _Open]] = []
         self._revisions: list[tuple[SessionState, ReturnForecast]] = []

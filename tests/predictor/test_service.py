@@ -356,9 +356,12 @@ def test_the_model_comes_from_the_saved_file_then_weights_then_the_prior(tmp_pat
     model, source = load_model(PredictorConfig(weights=weights), saved)
     assert source == "weights"
     saved.parent.mkdir()
-    ReturnModel(width, hidden=4).save(saved)
+    kept = ReturnModel(width, hidden=4)
+    kept.counts.tools.learn(0, 0)  # a tool that was not back within a minute
+    kept.save(saved)
     model, source = load_model(PredictorConfig(weights=weights), saved)
     assert source == "saved" and model.hidden == 4
+    assert model.counts.to_state() == kept.counts.to_state()  # what it counted, too
     # A saved model for another feature list is set aside, not trusted.
     ReturnModel(width + 1).save(saved)
     model, source = load_model(PredictorConfig(weights=weights), saved)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from kvstore.errors import ConfigError
 from kvstore.predictor.learning.features import feature_names
 from kvstore.predictor.learning.model import ReturnModel
 from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
@@ -369,3 +371,48 @@ def test_sessions_waiting_on_a_tool_are_counted_apart() -> None:
     assert subagent is not None
     halves = [0.5 * p for p in conditional(subagent, 30.0)]
     assert revisions["subagent"].probabilities == pytest.approx(halves)
+
+
+def test_the_counting_tables_are_saved_with_the_model_and_restored(tmp_path: Path) -> None:
+    """A learner over a reloaded model forecasts tools, human waits and superseded sessions
+    from what the first one counted, not from the priors."""
+    first = OnlineLearner(ReturnModel(len(feature_names())), SessionTracker())
+    for k in range(4):  # tools that took two minutes: not back within one
+        first.observe(finish(f"tool-{k}", 100.0 * k, tool=True))
+        first.observe(start(f"tool-{k}", 100.0 * k + 120.0, Trigger.TOOL))
+    first.observe(start("h", 1000.0))
+    first.observe(finish("h", 1010.0))
+    first.observe(start("h", 1020.0))  # a human wait of 10 s: the table's bin 0
+    first.observe(start("a", 2000.0), user="u")
+    first.observe(finish("a", 2010.0))
+    first.observe(start("b", 2100.0), user="u")  # supersedes "a", which never returns
+    first.tick(2100.0 + 3600.0 + 1.0)
+    path = tmp_path / "model.pt"
+    first.model.save(path)
+
+    fresh = OnlineLearner(ReturnModel(len(feature_names())), SessionTracker())
+    again = OnlineLearner(ReturnModel.load(path), SessionTracker())
+    learnt, restored, prior = (
+        learner.model.counts.to_state() for learner in (first, again, fresh)
+    )
+    assert restored == learnt != prior
+    at = 10_000.0
+    forecasts = [learner.observe(finish("t", at, tool=True)) for learner in (first, again)]
+    assert forecasts[0] is not None and forecasts[1] is not None
+    assert forecasts[0].probabilities == forecasts[1].probabilities
+    assert forecasts[0].probabilities[0] < 0.9  # the prior: 9 in 10 within every horizon
+
+
+def test_saved_counts_that_do_not_fit_the_model_are_refused(tmp_path: Path) -> None:
+    model = ReturnModel(len(feature_names()))
+    path = tmp_path / "model.pt"
+    model.save(path)
+    data = torch.load(path, weights_only=True)
+    data["counts"]["tools"] = [[1.0, 2.0], [3.0, 4.0]]  # two horizons, the model has three
+    torch.save(data, path)
+    with pytest.raises(ConfigError, match="do not fit a model of 3 horizons"):
+        ReturnModel.load(path)
+    data["counts"] = {"tools": "nonsense"}
+    torch.save(data, path)
+    with pytest.raises(ConfigError, match="malformed"):
+        ReturnModel.load(path)
