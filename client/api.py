@@ -90,7 +90,7 @@ class KVClientAPI(KVStoreAPI, Protocol):
     def request_started(
         self, session: str, *, prompt_tokens: int, cached_tokens: int,
         trigger: Trigger = Trigger.USER, time: float | None = None,
-        idle_since: float | None = None,
+        idle_since: float | None = None, user: str | None = None,
     ) -> None:  # fmt: skip
         """A request of ``session`` began: the predictor labels its last idle gap."""
         ...
@@ -145,7 +145,7 @@ class AsyncKVClientAPI(AsyncKVStoreAPI, Protocol):
     async def request_started(
         self, session: str, *, prompt_tokens: int, cached_tokens: int,
         trigger: Trigger = Trigger.USER, time: float | None = None,
-        idle_since: float | None = None,
+        idle_since: float | None = None, user: str | None = None,
     ) -> None: ...  # fmt: skip
 
     async def request_finished(

@@ -386,12 +386,20 @@ class ClientProtocol:
         trigger: Trigger = Trigger.USER,
         time: float | None = None,
         idle_since: float | None = None,
+        user: str | None = None,
     ) -> Operation[None]:
         """A request of ``session`` began (``kvstore.wire.events``); ``time`` defaults to now.
         ``idle_since``: when its previous request finished, if that may have been on
-        another host (an engine that moves sessions between daemons knows)."""
+        another host (an engine that moves sessions between daemons knows). ``user``: who
+        drives the session, so the predictor can tell one person's sessions apart."""
         event = RequestStarted(
-            session, trigger, prompt_tokens, cached_tokens, _now(time), idle_since=idle_since
+            session,
+            trigger,
+            prompt_tokens,
+            cached_tokens,
+            _now(time),
+            idle_since=idle_since,
+            user=user,
         )
         yield from self._report(event)
 

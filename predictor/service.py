@@ -331,7 +331,7 @@ class PredictorService:
         if not keys and session in self._puts:
             namespace, keys = self._puts[session]
         if isinstance(event, RequestStarted):
-            state = driver.started(event, keys, namespace)
+            state = driver.started(event, keys, namespace, event.user)
             driver.resumed(state, event.time)
             return
         placement = driver.finished(event, keys, namespace)
@@ -427,7 +427,7 @@ class PredictorService:
             state = self.tracker.get(name)
             if driver is None or learner is None or state is None:
                 return None
-            forecast = learner.forecast(name)
+            forecast = learner.current_forecast(name)
             chain, digest = state.chain, state.namespace
             body: dict[str, Any] = {
                 "session": name,

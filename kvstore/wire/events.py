@@ -6,7 +6,7 @@ token counters (``kvstore_client_tokens_total``) count them too. A client
 reports::
 
     request_started   session, trigger (user | tool), prompt_tokens, cached_tokens,
-                      idle_since (optional)
+                      idle_since (optional), user (optional)
     request_finished  session, steps, output_tokens, context_tokens, tool_running,
                       loaded_tokens, recomputed_tokens
 
@@ -26,6 +26,13 @@ says when the session's previous request finished, on whichever host ran it: a
 session an engine moved to this daemon from another keeps its last gap in its
 history, and an idle period that began here but ended on another host is not
 labelled here as if this daemon had seen its end (``learning.sessions``).
+
+``user`` (a string of 1 to ``MAX_SESSION_CHARS`` characters: an account, a
+tenant's user id, a terminal) names who drives the session. It sticks to the
+session once given. The predictor reads the user's earlier waits as features,
+and when a user starts a new session it forecasts that user's other idle
+sessions again: a person who opened a new conversation is less often back at
+the old one soon (``learning.online``).
 
 Unknown fields are refused, so a typo in a client is a 400, not a silently
 missing feature. Events are advisory: a client drops one (and counts it)
@@ -77,6 +84,7 @@ class RequestStarted:
     namespace: bytes | None = None
     keys: tuple[ChunkKey, ...] = ()
     idle_since: float | None = None
+    user: str | None = None
 
     kind = EventKind.REQUEST_STARTED
 
@@ -91,6 +99,8 @@ class RequestStarted:
         }
         if self.idle_since is not None:
             body["idle_since"] = self.idle_since
+        if self.user is not None:
+            body["user"] = self.user
         return _with_chain(self, body)
 
 
@@ -158,6 +168,7 @@ _OTHER_FIELDS = {
         "time",
         "trigger",
         "idle_since",
+        "user",
         *_CHAIN_FIELDS,
     },
     EventKind.REQUEST_FINISHED: {"event", "session", "time", "tool_running", *_CHAIN_FIELDS},
@@ -191,8 +202,16 @@ def parse_event(data: Any) -> SessionEvent:
         except ValueError:
             raise _bad("trigger must be 'user' or 'tool'") from None
         idle_since = _idle_since(data.get("idle_since"), common["time"])
+        user = data.get("user")
+        if user is not None and not (isinstance(user, str) and 0 < len(user) <= MAX_SESSION_CHARS):
+            raise _bad(f"user must be a string of 1 to {MAX_SESSION_CHARS} characters")
         return RequestStarted(
-            trigger=trigger, namespace=namespace, keys=keys, idle_since=idle_since, **common
+            trigger=trigger,
+            namespace=namespace,
+            keys=keys,
+            idle_since=idle_since,
+            user=user,
+            **common,
         )
     tool_running = data.get("tool_running")
     if not isinstance(tool_running, bool):

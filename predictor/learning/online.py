@@ -73,6 +73,7 @@ class _Open:
     tool: bool = False  # idle while a tool runs: forecast by ``ToolReturns``, not the model
     gap_bin: int = 0  # its ``HumanGapTable`` bin
     superseded_at: float | None = None  # when its user started another session
+    revised: ReturnForecast | None = None  # the forecast made again then (scores keep ``forecast``)
 
 
 class OnlineLearner:
@@ -250,12 +251,21 @@ class OnlineLearner:
             rest = max(1.0 - before, 1e-9)
             conditional = [(old.within(elapsed + h) - before) / rest for h in old.horizons]
             revised = ReturnForecast(old.session, now, old.horizons, counts.scaled(conditional))
+            entry.revised = revised
             self._revisions.append((state, revised))
 
     def forecast(self, session: str) -> ReturnForecast | None:
         """The forecast made when ``session`` last went idle, while it stays idle."""
         entry = self._open.get(session)
         return entry.forecast if entry is not None else None
+
+    def current_forecast(self, session: str) -> ReturnForecast | None:
+        """The forecast the policy acts on for idle ``session``: the one made again when
+        its user started another session, else the one made at idle."""
+        entry = self._open.get(session)
+        if entry is None:
+            return None
+        return entry.revised if entry.revised is not None else entry.forecast
 
     def forget(self, session: str) -> None:
         """Drop ``session``'s forecast; its unknown labels are never learnt."""

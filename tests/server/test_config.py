@@ -18,7 +18,14 @@ from kvstore.server.leases import LeaseTable
 from kvstore.server.serving import SharedServing
 from kvstore.store.config import StoreConfig
 from kvstore.wire.codes import ErrorCode, WireError
-from kvstore.wire.events import MAX_IDLE_S, UNNAMED, RequestFinished, Trigger, parse_event
+from kvstore.wire.events import (
+    MAX_IDLE_S,
+    MAX_SESSION_CHARS,
+    UNNAMED,
+    RequestFinished,
+    Trigger,
+    parse_event,
+)
 
 # -- config ------------------------------------------------------------------------------
 
@@ -234,6 +241,39 @@ def test_a_start_may_say_when_the_session_last_finished_elsewhere() -> None:
     for bad in (1000.5, too_old, float("nan"), 10**400, True, "yesterday"):
         with pytest.raises(WireError, match="idle_since must"):
             parse_event({**body, "idle_since": bad})
+
+
+def test_a_start_may_name_the_user_who_drives_the_session() -> None:
+    body = {
+        "event": "request_started",
+        "session": "s",
+        "trigger": "user",
+        "prompt_tokens": 1,
+        "cached_tokens": 0,
+        "time": 1000.0,
+        "user": "alice",
+    }
+    event = parse_event(body)
+    assert event.user == "alice"
+    assert parse_event(event.to_json()) == event and event.to_json() == body
+    assert "user" not in parse_event({**body, "user": None}).to_json()
+    for bad in ("", "x" * (MAX_SESSION_CHARS + 1), 7, ["alice"]):
+        with pytest.raises(WireError, match="user must be a string of 1 to"):
+            parse_event({**body, "user": bad})
+    with pytest.raises(WireError, match="unknown field"):  # a start's field, not a finish's
+        parse_event(
+            {
+                "event": "request_finished",
+                "session": "s",
+                "steps": 1,
+                "output_tokens": 1,
+                "context_tokens": 2,
+                "loaded_tokens": 0,
+                "recomputed_tokens": 1,
+                "tool_running": False,
+                "user": "alice",
+            }
+        )
 
 
 def test_events_carry_an_optional_chain_and_may_leave_the_session_to_it() -> None:

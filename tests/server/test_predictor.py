@@ -241,6 +241,30 @@ def test_a_session_moved_to_another_daemon_keeps_its_gap_and_is_labelled_once(
         assert session(on_a, "m")["gaps"] == 1 and session(on_a, "m")["active"]
 
 
+def test_a_users_new_session_forecasts_their_idle_one_again_in_the_daemon(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """``user`` on request_started ties sessions to a person: when that person starts a
+    new session, the daemon's predictor forecasts their other idle session again (a
+    revision from the start's time, scaled by how often such sessions came back); a
+    session of another user is left as it was forecast."""
+    daemon = daemon_factory(config(), daemon=OWN_CLOCK)
+
+    def start(name: str, at: float, user: str) -> RequestStarted:
+        return RequestStarted(name, Trigger.USER, 1000, 0, at, user=user)
+
+    with daemon.client() as client:
+        post(client, start("old", T0, "alice"), finished("old", T0 + 10))
+        post(client, start("other", T0, "bob"), finished("other", T0 + 10))
+        stats(client, processed(4))
+        assert session(client, "old")["forecast"]["at"] == T0 + 10
+        post(client, start("new", T0 + 100, "alice"))
+        stats(client, processed(5))
+        revised = session(client, "old")["forecast"]
+        assert revised["at"] == T0 + 100  # forecast again when alice started "new"
+        assert session(client, "other")["forecast"]["at"] == T0 + 10
+
+
 def test_a_model_from_train_predictor_starts_a_daemon(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:
@@ -269,12 +293,15 @@ def test_a_model_from_train_predictor_starts_a_daemon(
         assert stats(client, processed(2))["predictor"]["model"]["source"] == "weights"
         forecast = session(client, "probe")["forecast"]
     # The same session seen in-process gives the trained model's answer, blended with
-    # the previous-gap table (counts, not saved with the weights: a fresh one here).
+    # the previous-gap table the training counted (saved with the weights, not the prior).
     tracker = SessionTracker()
     tracker.started(started("probe", T0))
     state = tracker.finished(finished("probe", T0 + 10))
     model = trained.predict(feature_vector(state, T0 + 10, tracker))
-    table = HumanGapTable(trained.horizons).predict(HumanGapTable.bin(state.human_gaps))
+    gap_bin = HumanGapTable.bin(state.human_gaps)
+    table = trained.counts.gap_table.predict(gap_bin)
+    prior = HumanGapTable(trained.horizons).predict(gap_bin)
+    assert table.tolist() != prior.tolist()
     assert forecast["p_return"] == pytest.approx(blend(model, table).tolist(), abs=1e-6)
 
 
