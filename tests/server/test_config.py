@@ -223,16 +223,18 @@ def test_events_parse_into_types_and_the_ring_is_bounded() -> None:
             )
 
 
+A_START = {
+    "event": "request_started",
+    "session": "s",
+    "trigger": "user",
+    "prompt_tokens": 1,
+    "cached_tokens": 0,
+    "time": 1000.0,
+}
+
+
 def test_a_start_may_say_when_the_session_last_finished_elsewhere() -> None:
-    body = {
-        "event": "request_started",
-        "session": "s",
-        "trigger": "user",
-        "prompt_tokens": 1,
-        "cached_tokens": 0,
-        "time": 1000.0,
-        "idle_since": 880.0,
-    }
+    body = {**A_START, "idle_since": 880.0}
     event = parse_event(body)
     assert event.idle_since == 880.0
     assert parse_event(event.to_json()) == event and event.to_json() == body
@@ -244,15 +246,7 @@ def test_a_start_may_say_when_the_session_last_finished_elsewhere() -> None:
 
 
 def test_a_start_may_name_the_user_who_drives_the_session() -> None:
-    body = {
-        "event": "request_started",
-        "session": "s",
-        "trigger": "user",
-        "prompt_tokens": 1,
-        "cached_tokens": 0,
-        "time": 1000.0,
-        "user": "alice",
-    }
+    body = {**A_START, "user": "alice"}
     event = parse_event(body)
     assert event.user == "alice"
     assert parse_event(event.to_json()) == event and event.to_json() == body
