@@ -58,9 +58,10 @@ after the put: the daemon's background scrub re-checks the DRAM tier's
 checksums for that, as for the embedded store, whose DRAM reads are not
 re-checksummed either.
 
-With ``out`` buffers the returned ``KVChunk`` is a view of the caller's
-buffer, as with ``TieredStore.get(out=)``; a missed block leaves its buffer
-with unspecified contents.
+With ``out`` buffers, host arrays (the caller's own, or the staging of its
+device tensors: ``kvstore.store.out_buffers``), the returned ``KVChunk`` is a
+view of the array, as with ``TieredStore.get(out=)``; a missed block leaves
+its array with unspecified contents.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Two kinds of arena, one path: ``CUDA_IPC`` opens torch's CUDA IPC handle and
 copies on a stream of its own; ``SHM`` (a CPU HBM arena, which only tests
 build) maps the segment read-only and copies with numpy, so everything but
 the CUDA calls themselves runs on machines without a GPU. torch is imported
-only here, and only by a client whose caller passed tensors.
+only by a client whose caller passed tensors.
 """
 
 from __future__ import annotations
@@ -268,12 +268,3 @@ def _names(header: bytes, namespace: Namespace, key: ChunkKey, chunk_nbytes: int
     except (CorruptBlock, LayoutMismatch):
         return False
     return parsed.codec is Codec.NONE
-
-
-def flat_tensors(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-    """The caller's host ``out=`` buffers (flat uint8 arrays of its tensors) as
-    tensors, for ``copy_device``."""
-    import torch
-
-    return [torch.from_numpy(array) for array in arrays]
-

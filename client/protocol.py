@@ -62,7 +62,7 @@ from kvstore.client.blocks import (
     tier_of,
 )
 from kvstore.client.buffers import BufferPool
-from kvstore.client.device import HBMArena, copy_device, flat_tensors
+from kvstore.client.device import HBMArena, copy_device
 from kvstore.client.failures import ClientStats, from_reply, unavailable
 from kvstore.client.put_body import PutBody
 from kvstore.client.shm import SharedArena
@@ -75,9 +75,9 @@ from kvstore.errors import (
     UnknownNamespace,
 )
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
+from kvstore.store.out_buffers import OutBuffers
 from kvstore.store.stats import StoreStats, TierCounters
-from kvstore.tensors import is_tensor
 from kvstore.throttled_log import ThrottledLog
 from kvstore.tiers.arena_handle import ArenaHandle
 from kvstore.tiers.kinds import TierKind
@@ -341,20 +341,14 @@ class ClientProtocol:
         """The verified chunk for each key, or ``None``; with ``out``, payloads land in
         the caller's buffers (see ``TieredStore.get``)."""
         keys = list(keys)
-        destinations = None
-        if out is not None:
-            if len(out) != len(keys):
-                raise LayoutMismatch(f"{len(out)} destinations for {len(keys)} keys")
-            destinations = [destination_bytes(buffer, namespace.layout) for buffer in out]
+        buffers = None if out is None else OutBuffers.of(out, namespace.layout, len(keys))
         if not keys:
             return []
-        # Device copies are proven by generations alone (FAST), into the caller's tensors.
-        device = out is not None and self.verify is Verify.FAST and all(is_tensor(b) for b in out)
         try:
             if self.shm:
-                received = yield from self._get_shared(namespace, keys, destinations, device)
+                received = yield from self._get_shared(namespace, keys, buffers)
             else:
-                received = yield from self._get_bytes(namespace, keys, destinations)
+                received = yield from self._get_bytes(namespace, keys, _host(buffers))
         except TierUnavailable:
             with self._lock:
                 self._stats.gets_failed += 1
@@ -362,7 +356,7 @@ class ClientProtocol:
         if received.corrupt:
             with self._lock:
                 self._stats.corrupt_blocks += received.corrupt
-        return received.chunks
+        return received.chunks if buffers is None else buffers.deliver(received.chunks)
 
     def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> Operation[int]:
         """Remove keys from every tier; raises ``TierUnavailable`` if the daemon cannot."""
@@ -463,26 +457,25 @@ class ClientProtocol:
         return sink.received
 
     def _get_shared(
-        self,
-        namespace: Namespace,
-        keys: list[ChunkKey],
-        out: list[np.ndarray] | None,
-        device: bool = False,
+        self, namespace: Namespace, keys: list[ChunkKey], buffers: OutBuffers | None
     ) -> Operation[Received]:
-        """Lease the DRAM blocks (and with ``device`` the HBM ones), copy them out of
-        the mapped arenas, release the lease (without waiting for the answer), then
-        fetch the blocks held elsewhere, or that could not be copied, as bytes."""
+        """Lease the DRAM blocks (and, into ``out=`` tensors, the HBM ones), copy them
+        out of the mapped arenas, release the lease (without waiting for the answer),
+        then fetch the blocks held elsewhere, or that could not be copied, as bytes."""
+        out = _host(buffers)
         if self._arena is None:
             yield from self._map_arena()
             if self._arena is None:  # nothing to map: bytes from now on
                 self.shm = False
                 return (yield from self._get_bytes(namespace, keys, out))
         request = _get_request(namespace, keys, GetTransfer.SHM, self._finished.take())
-        if device and self.device_memory:
+        # Device copies are proven by generations alone (FAST), into the caller's tensors.
+        tensors = buffers.tensors if buffers is not None and self.verify is Verify.FAST else None
+        if tensors is not None and self.device_memory:
             request["device_memory"] = True
         lease = yield from self._namespaced(namespace, lambda: _post("/get", request))
         try:
-            received = self._copy_leased(lease, namespace, keys, out)
+            received = self._copy_leased(lease, namespace, keys, buffers)
         finally:
             # No yield above, so this release cannot run while the operation is
             # being closed; a lease never released expires on the daemon.
@@ -498,11 +491,7 @@ class ClientProtocol:
         return received
 
     def _copy_leased(
-        self,
-        lease: Any,
-        namespace: Namespace,
-        keys: list[ChunkKey],
-        out: list[np.ndarray] | None,
+        self, lease: Any, namespace: Namespace, keys: list[ChunkKey], buffers: OutBuffers | None
     ) -> Received:
         name = _field(lease, "shm", str)
         arena = self._arena
@@ -516,17 +505,18 @@ class ClientProtocol:
         ]
         copied: list[int] = []
         if on_device:
-            fallen = set(self._copy_device(lease, namespace, keys, on_device, out))
+            fallen = set(self._copy_device(lease, namespace, keys, on_device, buffers))
             copied = [index for index, _ in on_device if index not in fallen]
             for index, _ in on_device:  # left to copy_leased: inline, or done already
                 entries[index] = LeasedBlock(None, None, None, inline=index in fallen)
+        out = _host(buffers)
         received = copy_leased(
             arena, namespace, keys, entries, out, self._buffers, self._copier, self.verify
         )
         for index in copied:
-            assert out is not None
-            received.chunks[index] = KVChunk(
-                keys[index], TierKind.HBM, namespace.layout, out[index].data
+            assert buffers is not None
+            received.chunks[index] = buffers.landed(
+                index, keys[index], TierKind.HBM, namespace.layout
             )
         return received
 
@@ -536,10 +526,11 @@ class ClientProtocol:
         namespace: Namespace,
         keys: list[ChunkKey],
         on_device: list[tuple[int, LeasedBlock]],
-        out: list[np.ndarray] | None,
+        buffers: OutBuffers | None,
     ) -> list[int]:
-        """Copy the leased HBM blocks into ``out`` (``client.device``); the positions
-        to fetch as bytes instead, every one of them if the arena does not open."""
+        """Copy the leased HBM blocks into the ``out=`` tensors (``client.device``); the
+        positions to fetch as bytes instead, every one of them if the arena does not
+        open."""
         try:
             handle = ArenaHandle.from_json(lease.get("hbm"))
         except ValueError as error:
@@ -548,8 +539,9 @@ class ClientProtocol:
         if arena is None or arena.handle != handle:
             arena = self._open_hbm(handle)
         fallen = [index for index, _ in on_device]
-        if arena is not None and out is not None:
-            fallen = copy_device(arena, namespace, keys, on_device, flat_tensors(out))
+        tensors = None if buffers is None else buffers.tensors
+        if arena is not None and tensors is not None:
+            fallen = copy_device(arena, namespace, keys, on_device, tensors)
         with self._lock:
             self._stats.device_fallbacks += len(fallen)
         return fallen
@@ -661,6 +653,11 @@ class ClientProtocol:
 
 
 # -- requests and answers ---------------------------------------------------------
+
+
+def _host(buffers: OutBuffers | None) -> list[np.ndarray] | None:
+    """Where a get's payloads land and are verified (``OutBuffers.host``)."""
+    return None if buffers is None else buffers.host
 
 
 def _post(path: str, request: Any = None, **options: Any) -> Call:

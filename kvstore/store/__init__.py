@@ -13,6 +13,8 @@
     guarded.py       a tier failure as a miss, in one place
     maintenance.py   scrubbing and flushing
     chunk.py         what callers hand the store and get back (KVChunk, CachedPrefix)
+    out_buffers.py   a get's out= buffers: host ones filled in place, device tensors
+                     through verified host staging
     config.py        StoreConfig and CostModel: the store's settings
     stats.py         the counters
     closing.py       the with-statement every face shares

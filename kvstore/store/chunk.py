@@ -59,38 +59,6 @@ def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
     return view
 
 
-def destination_bytes(data: ChunkData, layout: KVLayout) -> np.ndarray:
-    """A writable flat uint8 view of a caller's buffer for one chunk (``get(..., out=)``).
-
-    The buffer must live in host memory (a CPU tensor, pinned or not, a numpy
-    array, a ``bytearray`` or a writable ``memoryview``), be contiguous and
-    hold exactly one chunk; it is written in place, never copied.
-    """
-    if is_tensor(data):
-        import torch  # imported already: the caller holds a tensor
-
-        if data.device.type != "cpu":
-            raise LayoutMismatch("destination tensors must be in host memory")
-        if str(data.dtype).removeprefix("torch.") != layout.dtype or not data.is_contiguous():
-            raise LayoutMismatch(f"destination must be a contiguous {layout.dtype} tensor")
-        array = data.view(torch.uint8).reshape(-1).numpy()
-    elif isinstance(data, np.ndarray):
-        if not data.flags.c_contiguous:
-            raise LayoutMismatch("destination arrays must be contiguous")
-        array = data.reshape(-1).view(np.uint8)
-    elif isinstance(data, bytearray | memoryview):
-        array = np.frombuffer(data, dtype=np.uint8)
-    else:
-        raise LayoutMismatch(f"unsupported destination type {type(data).__name__}")
-    if not array.flags.writeable:
-        raise LayoutMismatch("destination buffer is read-only")
-    if array.nbytes != layout.chunk_nbytes:
-        raise LayoutMismatch(
-            f"destination has {array.nbytes} bytes, one chunk needs {layout.chunk_nbytes}"
-        )
-    return array
-
-
 @dataclass(frozen=True, slots=True)
 class KVChunk:
     """One chunk read from the store: verified payload bytes plus where they came from.
@@ -99,6 +67,8 @@ class KVChunk:
     it stays valid after the store evicts or overwrites the block. ``block`` is
     the whole verified stored block (header and payload) when the payload was
     stored raw, so a server can forward it as it is, checksum included.
+    A chunk that a get put in an ``out=`` tensor on a device holds that tensor
+    (``out``) and an empty payload (``kvstore.store.out_buffers``).
     """
 
     key: ChunkKey
@@ -106,12 +76,16 @@ class KVChunk:
     layout: KVLayout
     payload: memoryview
     block: memoryview | None = None
+    out: torch.Tensor | None = None  # the device tensor holding the payload, flat uint8
 
     def tensor(self) -> torch.Tensor:
-        """The chunk as a CPU tensor of the layout's shape and dtype (no copy when possible)."""
+        """The chunk as a tensor of the layout's shape and dtype: a view of the device
+        tensor it landed in, else on the CPU (no copy when possible)."""
         import torch
 
         dtype: Any = getattr(torch, self.layout.dtype)
+        if self.out is not None:
+            return self.out.view(dtype).reshape(self.layout.chunk_shape)
         if self.payload.readonly:
             raw = torch.from_numpy(np.frombuffer(self.payload, dtype=np.uint8).copy())
         else:

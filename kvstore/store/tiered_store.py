@@ -33,15 +33,16 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from kvstore.block import Block
-from kvstore.errors import ConfigError, LayoutMismatch, UnknownNamespace
+from kvstore.errors import ConfigError, UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes, destination_bytes
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
 from kvstore.store.closing import Closing
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
 from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.index import BlockMeta
 from kvstore.store.maintenance import Maintenance
+from kvstore.store.out_buffers import OutBuffers
 from kvstore.store.placement import Admission
 from kvstore.store.stats import NamespaceEviction, NamespaceUsage, StoreStats
 from kvstore.tiers.base import Tier
@@ -181,25 +182,24 @@ class TieredStore(Closing):
         """The verified chunk for each key, or ``None`` (a miss). Never raises for a
         tier that is down or a block that is corrupt: both are misses.
 
-        With ``out`` (one host buffer per key, see ``chunk.destination_bytes``)
-        each payload is copied straight into the caller's buffer and the
-        returned chunks are views of it: no allocation, one copy. The content
-        of ``out[i]`` is unspecified where ``None`` is returned.
+        With ``out`` (one buffer per key, in host memory or on a CUDA device;
+        ``out_buffers.OutBuffers``) each payload is copied straight into the
+        caller's host buffer, or verified in host memory and then copied to
+        its device tensor, and the returned chunks are views of it: no
+        allocation for host buffers, one copy. The content of a host
+        ``out[i]`` is unspecified where ``None`` is returned; a device tensor
+        keeps what it held.
         """
         self.register(namespace)
         keys = list(keys)
         self.core.check_batch(len(keys))
-        payloads = None
-        if out is not None:
-            if len(out) != len(keys):
-                raise LayoutMismatch(f"{len(out)} destinations for {len(keys)} keys")
-            payloads = [destination_bytes(buffer, namespace.layout) for buffer in out]
-        results = self.core.read(namespace, keys, payloads)
+        buffers = None if out is None else OutBuffers.of(out, namespace.layout, len(keys))
+        results = self.core.read(namespace, keys, None if buffers is None else buffers.host)
         with self.core.lock:
             self.core.stats.gets += 1
             self.core.stats.get_misses += sum(1 for chunk in results if chunk is None)
             self.core.after_hits(namespace, keys, results)
-        return results
+        return results if buffers is None else buffers.deliver(results)
 
     # -- explicit movement ------------------------------------------------
 

@@ -230,6 +230,15 @@ def test_caller_mistakes_raise(flavour: str, target: Target, ns: Namespace) -> N
             wrong_dtype = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float32)]
             with pytest.raises(LayoutMismatch):
                 await store.put(ns, kv.tokens(1), wrong_dtype)
+            keys, shape = chunk_keys(ns, kv.tokens(1)), kv.LAYOUT.chunk_shape
+            for out, message in (
+                (wrong_dtype, "contiguous float16 tensor"),
+                ([torch.zeros(7, dtype=torch.float16)], "one chunk needs"),
+                ([torch.zeros(shape, dtype=torch.float16)[:, 0]], "contiguous"),
+                ([torch.empty(shape, dtype=torch.float16, device="meta")], "'meta'"),
+            ):
+                with pytest.raises(LayoutMismatch, match=message):
+                    await store.get(ns, keys, out=out)
 
     asyncio.run(scenario())
 

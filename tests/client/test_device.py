@@ -1,26 +1,35 @@
 """HBM blocks shared with a local engine (``client.device``): the arena opened by its
 handle, blocks copied into ``out=`` tensors and proven by their generations, and every
-way it falls back to bytes. On the CPU the HBM arena is a host segment (its handle a
-segment name), so the path runs for real here; the CUDA IPC tests need a device."""
+way it falls back to bytes; and a get into ``out=`` tensors across every tier, through
+``connect`` (``kvstore.store.out_buffers``). On the CPU the HBM arena is a host segment
+(its handle a segment name), so the paths run for real here; the CUDA tests run the
+same scenarios with the arena and the tensors on a device."""
 
 from __future__ import annotations
 
+import asyncio
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from support import client_data, kv
+from support.clients import FLAVOURS
+from support.clients import opened as opened_client
 from support.daemon import Daemon
 from support.http_kv import make_chain, put, register
+from support.lmdb_blocks import damage_block
 
 import kvstore
 from kvstore.block import stored_block
 from kvstore.client.blocks import LeasedBlock
 from kvstore.client.device import HBMArena, copy_device
-from kvstore.keys import ChunkKey
+from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.store.chunk import KVChunk
 from kvstore.tiers.arena_handle import ArenaHandle, HandleKind
 from kvstore.tiers.hbm import HBMTier
 from kvstore.tiers.kinds import TierKind
@@ -243,6 +252,141 @@ def test_a_client_that_cannot_open_the_arena_falls_back_to_bytes_for_good(
     assert daemon.stop() == 0  # its segment already gone, the daemon still shuts down clean
 
 
+# -- get(out=) tensors across the tiers ------------------------------------------------
+
+# Two blocks' room in HBM and in DRAM: a chain of six puts its head in HBM, the next
+# two in DRAM and its tail in LMDB only (every block is written through to LMDB).
+TIERED = """\
+data_dir = "{data_dir}"
+
+[tiers.hbm]
+capacity = "8KiB"
+device = "{device}"
+
+[tiers.dram]
+capacity = "8KiB"
+
+[tiers.ssd]
+capacity = "16MiB"
+"""
+TOKENS = kv.tokens(6, start=80_000)
+TIERED_CHUNKS = kv.chunks(6, seed=12)
+# The chain, then a key never stored.
+TIERED_KEYS = [*chunk_keys(NS, TOKENS), *chunk_keys(NS, kv.tokens(1, start=90_000))]
+SENTINEL = 0x5A  # what each out= tensor holds before the get
+
+
+def sentinel_out(device: str) -> list[torch.Tensor]:
+    out = [
+        torch.empty(kv.LAYOUT.chunk_shape, dtype=torch.float16, device=device) for _ in TIERED_KEYS
+    ]
+    for buffer in out:
+        buffer.view(torch.uint8).fill_(SENTINEL)
+    return out
+
+
+def untouched(buffer: torch.Tensor) -> bool:
+    return bool((buffer.view(torch.uint8) == SENTINEL).all())
+
+
+def damage_dram_header(daemon: Daemon, key: ChunkKey) -> None:
+    """Flip a bit of the magic of ``key``'s block in the daemon's DRAM arena, as a stray
+    write would: a shared-memory copy parses every header, so the block is corrupt."""
+    grant = shm_get(daemon, [key], device_memory=False)
+    offset = grant["blocks"][0]["offset"]
+    with daemon.client() as http:
+        http.post(f"/v1/leases/{grant['lease']}/release")
+    fd = os.open(Path("/dev/shm") / grant["shm"], os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0) as mapping:
+            mapping[offset] ^= 0x01
+    finally:
+        os.close(fd)
+
+
+def check_landed(got: list[KVChunk | None], out: list[torch.Tensor], device: str) -> None:
+    """Every hit is exact in its out= tensor and its chunk stands for it; a tensor on a
+    device that missed keeps what it held (a host buffer's content is unspecified)."""
+    for chunk, buffer, expected in zip(got, out, [*TIERED_CHUNKS, None], strict=True):
+        if chunk is None:
+            assert device == "cpu" or untouched(buffer)
+            continue
+        assert expected is not None and torch.equal(buffer.cpu(), expected)
+        assert torch.equal(chunk.tensor().cpu(), expected)
+        if device == "cpu":
+            assert chunk.out is None and np.shares_memory(
+                np.frombuffer(chunk.payload, dtype=np.uint8), buffer.view(torch.uint8).numpy()
+            )
+        else:
+            assert chunk.out is not None and chunk.out.data_ptr() == buffer.data_ptr()
+            assert chunk.payload.nbytes == 0
+
+
+def get_across_tiers(daemon_factory: Any, flavour: str, device: str) -> None:
+    """One get into out= tensors on ``device``: two blocks in HBM (copied device to
+    device), two in DRAM, one of them with a damaged header (a miss), two in LMDB (as
+    bytes), one never stored; each hit or miss reported for its block."""
+    daemon = daemon_factory(TIERED.replace("{device}", device))
+    hbm, dram, ssd = TierKind.HBM, TierKind.DRAM, TierKind.SSD
+
+    async def scenario() -> None:
+        async with opened_client(flavour, daemon.url, transfer="shm", verify="fast") as client:
+            assert await client.put(NS, TOKENS, TIERED_CHUNKS) == 6
+            assert (await client.lookup(NS, TOKENS)).tiers == (hbm, hbm, dram, dram, ssd, ssd)
+            damage_dram_header(daemon, TIERED_KEYS[3])
+            out = sentinel_out(device)
+            got = await client.get(NS, TIERED_KEYS, out=out)
+            assert [chunk and chunk.tier for chunk in got] == [hbm, hbm, dram, None, ssd, ssd, None]
+            check_landed(got, out, device)
+            stats = await client.client_stats()
+            assert (stats.corrupt_blocks, stats.device_fallbacks) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def embedded_across_tiers(tmp_path: Path, flavour: str, device: str) -> None:
+    """The embedded store, the same get: a block damaged in LMDB is a miss, every other
+    block lands in its tensor, read from LMDB, then again from the tiers it was
+    promoted to."""
+    config = tmp_path / "store.toml"
+    config.write_text(TIERED.replace("{data_dir}", str(tmp_path)).replace("{device}", device))
+    url = f"embedded://{config}"
+
+    async def put() -> None:
+        async with opened_client(flavour, url) as store:
+            assert await store.put(NS, TOKENS, TIERED_CHUNKS) == 6
+
+    async def get() -> list[set[TierKind]]:
+        tiers = []
+        async with opened_client(flavour, url) as store:
+            for _ in range(2):
+                out = sentinel_out(device)
+                got = await store.get(NS, TIERED_KEYS, out=out)
+                assert [chunk is None for chunk in got] == [False] * 3 + [True] + [False] * 2 + [
+                    True
+                ]
+                check_landed(got, out, device)
+                tiers.append({chunk.tier for chunk in got if chunk is not None})
+        return tiers
+
+    asyncio.run(put())
+    damage_block(tmp_path / "lmdb", NS, TIERED_KEYS[3])  # the store closed, as a disk would
+    first, second = asyncio.run(get())
+    assert first == {TierKind.SSD} and TierKind.HBM in second
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_get_into_out_tensors_spans_every_tier_and_reports_each_block(
+    daemon_factory: Any, flavour: str
+) -> None:
+    get_across_tiers(daemon_factory, flavour, "cpu")
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_an_embedded_get_into_out_tensors_spans_every_tier(tmp_path: Path, flavour: str) -> None:
+    embedded_across_tiers(tmp_path, flavour, "cpu")
+
+
 # -- on a device ----------------------------------------------------------------------
 
 
@@ -273,3 +417,21 @@ def test_cuda_ipc_copies_hbm_blocks_device_to_device_from_the_daemon(
         arena.close()
         with daemon.client() as http:
             http.post(f"/v1/leases/{grant['lease']}/release")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_get_into_cuda_tensors_spans_every_tier_hbm_blocks_by_cuda_ipc(
+    daemon_factory: Any,
+) -> None:
+    """Through ``connect``: the daemon's HBM blocks by CUDA IPC, DRAM and LMDB blocks
+    verified in host memory then copied to the device, a corrupt block and a missing
+    one left as they were. The blocking flavour only: the async one drives the same
+    operation, and the CPU test runs both."""
+    get_across_tiers(daemon_factory, "sync", "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_embedded_get_into_cuda_tensors_spans_every_tier(tmp_path: Path) -> None:
+    embedded_across_tiers(tmp_path, "sync", "cuda")
