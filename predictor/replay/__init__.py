@@ -8,7 +8,10 @@ in a modeled engine whose HBM both runs requests and caches KV.
     conversations.py  kv-cache-tester conversations (human and tool turns, subagents)
     workload.py       either as lanes of scripts: open loop, or users in a closed loop
     engine.py         the engine: batch slots, HBM admission, the GPUs' prefill queue
-    simulator.py      the event loop: the real TieredStore, the real policies
+    config.py         what a replay depends on besides workload and policy
+    simulator.py      one policy's event loop: the real TieredStore, the real policies
+    results.py        what one policy did (GPU-seconds, TTFT, bytes moved, ...)
+    parallel.py       several policies at once, a worker process each
     timeline.py       a request trace as the session events training feeds the learner
     costs.py          tier sizes and the modeled cost of every request (nothing is timed)
     policies.py       the policies a replay compares, by their command-line names

@@ -41,9 +41,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import Namespace
+from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call
 from kvstore.predictor.replay.costs import stand_in_layout
-from kvstore.predictor.replay.simulator import ChunkChains, ReplayConfig
+from kvstore.predictor.replay.simulator import ChunkChains
 from kvstore.predictor.replay.workload import Step, Workload, nominal_seconds
 from kvstore.tiers.kinds import TierKind
 

@@ -35,8 +35,9 @@ from kvstore.store.config import CostModel
 from kvstore.tiers.kinds import TierKind
 
 if TYPE_CHECKING:
+    from kvstore.predictor.replay.config import Progress, ReplayConfig
     from kvstore.predictor.replay.policies import PolicySpec
-    from kvstore.predictor.replay.simulator import PolicyResult, Progress, ReplayConfig
+    from kvstore.predictor.replay.results import PolicyResult
     from kvstore.predictor.replay.workload import Workload
 
 N = TypeVar("N", int, float)
@@ -181,18 +182,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from kvstore.predictor.replay.bound import offline_bound
+    from kvstore.predictor.replay.config import ReplayConfig, chunk_blocks_for
     from kvstore.predictor.replay.costs import Sizing
     from kvstore.predictor.replay.engine import EngineModel
-    from kvstore.predictor.replay.policies import PolicyKind
+    from kvstore.predictor.replay.parallel import replay
+    from kvstore.predictor.replay.policies import PolicyKind, parse_policies
     from kvstore.predictor.replay.report import format_table, plot, summarize
-    from kvstore.predictor.replay.simulator import (
-        ReplayConfig,
-        chunk_blocks_for,
-        horizons_for,
-        idle_gaps,
-        parse_policies,
-        replay,
-    )
+    from kvstore.predictor.replay.simulator import horizons_for, idle_gaps
     from kvstore.predictor.replay.workload import load_workload
 
     workload = load_workload(
@@ -345,8 +341,8 @@ def _train(args: argparse.Namespace) -> int:
     from kvstore.predictor.learning.features import feature_names
     from kvstore.predictor.learning.model import REHEARSAL, ReturnModel
     from kvstore.predictor.replay.conversations import is_conversations
-    from kvstore.predictor.replay.simulator import train
     from kvstore.predictor.replay.traces import load_trace
+    from kvstore.predictor.replay.training import train
 
     trace_format = TraceFormat(args.format) if args.format else None
     if trace_format is TraceFormat.KV_CACHE_TESTER or (
@@ -374,9 +370,10 @@ def _train_on_conversations(args: argparse.Namespace) -> dict[str, Any]:
     """Serve the conversations under the predictor policy (``replay``) and save the model
     it learnt: the events a daemon would see, timed by the closed loop. Returns the
     learner's prequential scores."""
+    from kvstore.predictor.replay.config import ReplayConfig, chunk_blocks_for
     from kvstore.predictor.replay.costs import Sizing
+    from kvstore.predictor.replay.parallel import replay
     from kvstore.predictor.replay.policies import parse_policies
-    from kvstore.predictor.replay.simulator import ReplayConfig, chunk_blocks_for, replay
     from kvstore.predictor.replay.workload import load_workload
 
     workload = load_workload(

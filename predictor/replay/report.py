@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.predictor.replay.bound import Bound
-from kvstore.predictor.replay.simulator import PolicyResult, ReplayConfig
+from kvstore.predictor.replay.config import ReplayConfig
+from kvstore.predictor.replay.results import PolicyResult
 from kvstore.predictor.replay.workload import Workload
 from kvstore.tiers.kinds import TierKind
 

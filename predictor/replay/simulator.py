@@ -33,9 +33,8 @@ copied from, so only a prefetch made ahead of the return hides a load.
 
 ``oracle`` is ``PlacementPolicy`` fed ``policy.perfect_forecast`` with the
 session's true next arrival instead of the model's forecast; ``oracle:AUC``
-blurs that truth to the given AUC (``replay.oracle``). Runs of several
-policies go to worker processes (``jobs``), each on a fresh store: the same
-workload and seed give the same numbers however many there are.
+blurs that truth to the given AUC (``replay.oracle``). Each run is on a fresh
+store; ``replay.parallel`` runs several policies at once, in worker processes.
 """
 
 from __future__ import annotations
@@ -45,15 +44,10 @@ import dataclasses
 import heapq
 import itertools
 import math
-import multiprocessing
-import queue
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -62,193 +56,36 @@ from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Namespace, external_keys
 from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.learning.features import feature_names
-from kvstore.predictor.learning.model import DEFAULT_HORIZONS, REHEARSAL, Rehearsal, ReturnModel
+from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel
 from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.placement.baselines import LogNormalGaps
 from kvstore.predictor.placement.policy import (
-    PlacementConfig,
     PlacementPolicy,
-    PrefetchStats,
     SessionPolicy,
     perfect_forecast,
 )
+from kvstore.predictor.replay.config import Progress, ReplayConfig
 from kvstore.predictor.replay.conversations import Call, Stop, Subagents
 from kvstore.predictor.replay.costs import (
-    LLAMA_8B_KV_BYTES_PER_TOKEN,
     CostMeter,
-    Sizing,
     stand_in_capacity,
     stand_in_layout,
 )
-from kvstore.predictor.replay.engine import Admission, EngineModel, PrefillQueue, RequestCost
+from kvstore.predictor.replay.engine import Admission, PrefillQueue, RequestCost
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
-from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, make_policy, parse_policies
+from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, make_policy
+from kvstore.predictor.replay.results import CallRecord, PolicyResult
 from kvstore.predictor.replay.scoring import IdlePeriod, score_periods
-from kvstore.predictor.replay.training import train
-from kvstore.predictor.replay.workload import Lane, Script, Step, Workload, nominal_seconds
-from kvstore.store.config import CostModel, StoreConfig
+from kvstore.predictor.replay.workload import Lane, Step, Workload, gap_after, nominal_idle
+from kvstore.store.config import StoreConfig
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
-Progress = Callable[[str, int, int], None]
-"""``progress(policy, calls done, calls in all)``."""
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Everything a replay depends on besides the workload and the policy."""
-
-    sizing: Sizing
-    kv_bytes_per_token: int = LLAMA_8B_KV_BYTES_PER_TOKEN
-    costs: CostModel = field(default_factory=CostModel)
-    engine: EngineModel = field(default_factory=EngineModel)
-    chunk_blocks: int = 1
-    """Trace blocks per chunk (kv-cache-tester's 64-token blocks: 16, a 1024-token chunk)."""
-    tick_s: float = 10.0
-    max_requests: int | None = None
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    horizons: tuple[float, ...] | None = None
-    """The model's horizons; ``None``: those of ``DEFAULT_HORIZONS`` the workload can label."""
-    model_path: Path | None = None
-    model_hidden: int = 16
-    """Hidden units of a fresh model (0: logistic regression)."""
-    model_out: Path | None = None
-    """Where to save the predictor's model when its replay ends (``kvstore train-predictor``
-    on conversations: the model a daemon would have learnt serving them)."""
-    seed: int = 0
-    redis_url: str | None = None
-    rehearsal: Rehearsal | None = REHEARSAL
-    """The predictor's rehearsal of recent labels (``model.Rehearsal``); None: off."""
-    score_from: float = -math.inf
-    """Charge only calls that arrive at or after this time; earlier ones still run (they
-    warm the store and the learner)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CallRecord:
-    """One call as the replay served it (``RequestCost`` with its session and end)."""
-
-    session: str
-    cost: RequestCost
-    end: float
-    hit_tokens: int
-    recomputed_tokens: int
-
-
-@dataclass
-class PolicyResult:
-    """What one policy did over one workload."""
-
-    name: str
-    baseline: bool
-    requests: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    hit_tokens_by_tier: dict[TierKind, int] = field(default_factory=dict)
-    recomputed_tokens: int = 0
-    gpu_seconds: float = 0.0
-    load_seconds: float = 0.0
-    load_seconds_by_turn: dict[str, dict[TierKind, float]] = field(default_factory=dict)
-    """``load_seconds`` by who ended the idle time ("human", "tool") and the source tier:
-    where the GPU-seconds placement can still save are."""
-    writeback_seconds: float = 0.0
-    queue_seconds: float = 0.0
-    admission_wait_seconds: float = 0.0
-    """The part of ``queue_seconds`` spent waiting for a batch slot and HBM."""
-    ttft_s: list[float] = field(default_factory=list)
-    ttft_human_s: list[float] = field(default_factory=list)
-    ttft_tool_s: list[float] = field(default_factory=list)
-    service_human_s: list[float] = field(default_factory=list)
-    """Human turns' time to first token without queueing: write-back + load + prefill,
-    what placement decides (TTFT adds the waits, which bursts and admission set)."""
-    hbm_byte_seconds_idle: float = 0.0
-    prefetches: PrefetchStats = field(default_factory=PrefetchStats)
-    demoted_at_idle: int = 0
-    tier_counters: dict[str, dict[str, int]] = field(default_factory=dict)
-    bytes_moved: dict[str, dict[str, float]] = field(default_factory=dict)
-    quality: dict[str, dict[str, float]] | None = None
-    human: dict[str, Any] | None = None
-    calibration: list[tuple[float, float, int]] = field(default_factory=list)
-    calls: list[CallRecord] = field(default_factory=list, repr=False)
-    """Every call charged, in the order admitted."""
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else math.nan
-
-    @property
-    def hbm_gb_hours_idle(self) -> float:
-        return self.hbm_byte_seconds_idle / 1e9 / 3600.0
-
-
-CHUNK_TOKENS = 1024
-"""The chunk a replay keys by default where a trace's blocks are smaller (64-token ones:
-16 a chunk). Coarser chunks replay faster; each request recomputes up to one chunk
-of its prompt's tail whatever the policy, so finer ones measure the cached part
-more closely."""
-
-
-def chunk_blocks_for(block_tokens: int) -> int:
-    """Trace blocks per chunk by default: ``CHUNK_TOKENS`` a chunk, at least one block."""
-    return max(1, CHUNK_TOKENS // block_tokens)
-
-
 # -- the nominal timeline -------------------------------------------------------------
-
-
-def nominal_idle(workload: Workload, max_requests: int | None = None) -> list[tuple[float, float]]:
-    """(when a session went idle, how long until it was back) of every call on the
-    nominal timeline (``workload.nominal_seconds``); ``math.inf``: not back."""
-    periods: list[tuple[float, float]] = []
-    for lane in workload.lanes:
-        start = lane.start
-        for script in lane.scripts:
-            if script.arrivals is not None:
-                periods += _open_idle(script)
-                continue
-            periods += _closed_idle(script.steps, start)
-            start += nominal_seconds(script.steps)
-    periods.sort()
-    return periods if max_requests is None else periods[:max_requests]
-
-
-def _open_idle(script: Script) -> list[tuple[float, float]]:
-    assert script.arrivals is not None
-    out = []
-    for index, (step, arrival) in enumerate(zip(script.steps, script.arrivals, strict=True)):
-        assert isinstance(step, Call), "an open-loop session has calls only"
-        end = arrival + step.api_s
-        following = script.arrivals[index + 1] if index + 1 < len(script.arrivals) else None
-        out.append((end, math.inf if following is None else max(0.0, following - end)))
-    return out
-
-
-def _closed_idle(steps: Sequence[Step], start: float) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    now = start
-    for index, step in enumerate(steps):
-        if isinstance(step, Call):
-            now += step.think_s + step.api_s
-            out.append((now, _gap_after(steps, index)))
-        else:
-            for child in step.conversations:
-                out += _closed_idle(child.steps, now + step.think_s)
-            now += step.think_s + max(nominal_seconds(c.steps) for c in step.conversations)
-    return out
-
-
-def _gap_after(steps: Sequence[Step], index: int) -> float:
-    """How long after step ``index`` ended its session's next call arrives (nominal)."""
-    gap = 0.0
-    for step in steps[index + 1 :]:
-        if isinstance(step, Call):
-            return gap + step.think_s
-        gap += step.think_s + max(nominal_seconds(c.steps) for c in step.conversations)
-    return math.inf
 
 
 def horizons_for(workload: Workload, config: ReplayConfig) -> tuple[float, ...]:
@@ -708,7 +545,7 @@ class _Run:
             assert isinstance(after, Call)
             gap = max(0.0, session.arrivals[index + 1] - now)
             return gap, after.trigger is Trigger.USER
-        gap = _gap_after(session.steps, index)
+        gap = gap_after(session.steps, index)
         rest = session.steps[index + 1 :]
         following = next((s for s in rest if isinstance(s, Call)), None)
         if following is None:
@@ -754,73 +591,3 @@ class _Run:
                 "read": counters.bytes_read * chunk_bytes,
                 "written": counters.bytes_written * chunk_bytes,
             }
-
-
-def _replay_one(
-    workload: Workload, spec: PolicySpec, config: ReplayConfig, reports: Any
-) -> PolicyResult:
-    """One policy in a worker process; progress goes back over ``reports`` (a manager's
-    queue; None: none asked for)."""
-    progress = None if reports is None else _Reporter(reports)
-    return replay_policy(workload, spec, config, progress)
-
-
-class _Reporter:
-    """A worker's ``Progress``: each report put on the parent's queue."""
-
-    def __init__(self, reports: Any) -> None:
-        self.reports = reports
-
-    def __call__(self, policy: str, done: int, total: int) -> None:
-        self.reports.put((policy, done, total))
-
-
-def replay(
-    workload: Workload,
-    specs: Sequence[PolicySpec],
-    config: ReplayConfig,
-    progress: Progress | None = None,
-    jobs: int = 1,
-) -> list[PolicyResult]:
-    """Every policy over the same workload, each on a fresh store, ``jobs`` at a time in
-    worker processes (1: here, in order). Results come back in ``specs``' order."""
-    if jobs <= 1 or len(specs) <= 1:
-        return [replay_policy(workload, spec, config, progress) for spec in specs]
-    context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager:
-        reports = manager.Queue() if progress is not None else None
-        with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context) as pool:
-            runs = [pool.submit(_replay_one, workload, spec, config, reports) for spec in specs]
-            while not all(run.done() for run in runs):
-                _relay(reports, progress)
-            _relay(reports, progress, wait_s=0.0)
-            return [run.result() for run in runs]
-
-
-def _relay(reports: Any, progress: Progress | None, wait_s: float = 0.5) -> None:
-    """Hand the workers' progress reports to ``progress`` (waiting up to ``wait_s``)."""
-    if reports is None or progress is None:
-        if wait_s:
-            time.sleep(wait_s)
-        return
-    try:
-        while True:
-            progress(*reports.get(timeout=wait_s) if wait_s else reports.get_nowait())
-    except queue.Empty:
-        return
-
-
-__all__ = [
-    "CallRecord",
-    "chunk_blocks_for",
-    "PolicyKind",
-    "PolicyResult",
-    "PolicySpec",
-    "ReplayConfig",
-    "idle_gaps",
-    "nominal_idle",
-    "parse_policies",
-    "replay",
-    "replay_policy",
-    "train",
-]

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.predictor.replay.bound import offline_bound
+from kvstore.predictor.replay.config import Progress, ReplayConfig
+from kvstore.predictor.replay.parallel import replay
 from kvstore.predictor.replay.policies import PolicySpec
 from kvstore.predictor.replay.report import policy_summary
-from kvstore.predictor.replay.simulator import PolicyResult, Progress, ReplayConfig, replay
+from kvstore.predictor.replay.results import PolicyResult
 from kvstore.predictor.replay.workload import Workload
 
 TIE = 0.02

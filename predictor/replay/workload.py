@@ -25,6 +25,7 @@ offline bound's accesses.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,3 +234,57 @@ def load_workload(
             raise ConfigError("give --users or --rate, not both")
         return compose_arrivals(conversations, rate, seed, name)
     return compose_users(conversations, users or DEFAULT_USERS, seed, name)
+
+
+# -- the nominal timeline -------------------------------------------------------------
+
+
+def nominal_idle(workload: Workload, max_requests: int | None = None) -> list[tuple[float, float]]:
+    """(when a session went idle, how long until it was back) of every call on the
+    nominal timeline (``workload.nominal_seconds``); ``math.inf``: not back."""
+    periods: list[tuple[float, float]] = []
+    for lane in workload.lanes:
+        start = lane.start
+        for script in lane.scripts:
+            if script.arrivals is not None:
+                periods += _open_idle(script)
+                continue
+            periods += _closed_idle(script.steps, start)
+            start += nominal_seconds(script.steps)
+    periods.sort()
+    return periods if max_requests is None else periods[:max_requests]
+
+
+def _open_idle(script: Script) -> list[tuple[float, float]]:
+    assert script.arrivals is not None
+    out = []
+    for index, (step, arrival) in enumerate(zip(script.steps, script.arrivals, strict=True)):
+        assert isinstance(step, Call), "an open-loop session has calls only"
+        end = arrival + step.api_s
+        following = script.arrivals[index + 1] if index + 1 < len(script.arrivals) else None
+        out.append((end, math.inf if following is None else max(0.0, following - end)))
+    return out
+
+
+def _closed_idle(steps: Sequence[Step], start: float) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    now = start
+    for index, step in enumerate(steps):
+        if isinstance(step, Call):
+            now += step.think_s + step.api_s
+            out.append((now, gap_after(steps, index)))
+        else:
+            for child in step.conversations:
+                out += _closed_idle(child.steps, now + step.think_s)
+            now += step.think_s + max(nominal_seconds(c.steps) for c in step.conversations)
+    return out
+
+
+def gap_after(steps: Sequence[Step], index: int) -> float:
+    """How long after step ``index`` ended its session's next call arrives (nominal)."""
+    gap = 0.0
+    for step in steps[index + 1 :]:
+        if isinstance(step, Call):
+            return gap + step.think_s
+        gap += step.think_s + max(nominal_seconds(c.steps) for c in step.conversations)
+    return math.inf

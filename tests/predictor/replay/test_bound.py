@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from kvstore.predictor.replay.bound import min_hits, nominal_calls, offline_bound
+from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call, Conversation, Stop
 from kvstore.predictor.replay.costs import Sizing
+from kvstore.predictor.replay.parallel import replay
 from kvstore.predictor.replay.policies import parse_policies
-from kvstore.predictor.replay.simulator import ReplayConfig, replay
 from kvstore.predictor.replay.workload import Workload, compose_users
 from kvstore.wire.events import Trigger
 

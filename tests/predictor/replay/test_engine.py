@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from kvstore.predictor.learning.model import ReturnModel
+from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call, Conversation, Stop, Subagents
 from kvstore.predictor.replay.costs import Sizing
 from kvstore.predictor.replay.engine import Admission, EngineModel, PrefillQueue
+from kvstore.predictor.replay.parallel import replay
 from kvstore.predictor.replay.policies import parse_policies
-from kvstore.predictor.replay.simulator import PolicyResult, ReplayConfig, replay
+from kvstore.predictor.replay.results import PolicyResult
 from kvstore.predictor.replay.workload import (
     Lane,
     Script,

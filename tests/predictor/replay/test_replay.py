@@ -24,20 +24,16 @@ from kvstore.predictor.replay.ablation import (
     idle_examples,
     prequential,
 )
+from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.costs import Sizing
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
+from kvstore.predictor.replay.parallel import replay
+from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, parse_policies
 from kvstore.predictor.replay.report import calibration_curves, gap_closed, summarize
-from kvstore.predictor.replay.simulator import (
-    PolicyKind,
-    PolicyResult,
-    PolicySpec,
-    ReplayConfig,
-    horizons_for,
-    parse_policies,
-    replay,
-    train,
-)
+from kvstore.predictor.replay.results import PolicyResult
+from kvstore.predictor.replay.simulator import horizons_for
 from kvstore.predictor.replay.traces import load_trace
+from kvstore.predictor.replay.training import train
 from kvstore.predictor.replay.workload import from_trace, load_workload
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
