@@ -431,6 +431,7 @@ class PredictorService:
             chain, digest = state.chain, state.namespace
             body: dict[str, Any] = {
                 "session": name,
+                "user": state.user,
                 "active": state.active,
                 "requests": state.requests,
                 "idle_since": state.idle_since,

@@ -156,9 +156,11 @@ class HFKVStore:
         layerwise: bool | None = None,
         session: str | None = None,
         trigger: Trigger = Trigger.USER,
+        user: str | None = None,
         **forward_kwargs: Any,
     ) -> Prefill:
-        """Load the cached prefix and run the forward over the rest of the prompt."""
+        """Load the cached prefix and run the forward over the rest of the prompt.
+        ``session``, ``trigger`` and ``user`` go into the session event it sends."""
         ids = _as_batch(input_ids, self.model)
 
         def run(cache: DynamicCache, loaded: int) -> torch.Tensor:
@@ -166,7 +168,7 @@ class HFKVStore:
             logits: torch.Tensor = self.model(ids[:, loaded:], **kwargs).logits
             return logits
 
-        logits, cache, report = self._with_prefix(ids, layerwise, session, trigger, run)
+        logits, cache, report = self._with_prefix(ids, layerwise, session, trigger, user, run)
         return Prefill(cache=cache, logits=logits, report=report)
 
     def save(
@@ -210,9 +212,12 @@ class HFKVStore:
         layerwise: bool | None = None,
         session: str | None = None,
         trigger: Trigger = Trigger.USER,
+        user: str | None = None,
         **generate_kwargs: Any,
     ) -> Generation:
-        """``model.generate`` over the cached prefix, then save what it computed."""
+        """``model.generate`` over the cached prefix, then save what it computed. With a
+        ``session``, it reports the request's start (``trigger``, ``user``: who drives the
+        session) and end to the predictor."""
         ids = _as_batch(input_ids, self.model)
 
         def run(cache: DynamicCache, loaded: int) -> Any:
@@ -223,7 +228,7 @@ class HFKVStore:
                 **generate_kwargs,
             )
 
-        output, cache, report = self._with_prefix(ids, layerwise, session, trigger, run)
+        output, cache, report = self._with_prefix(ids, layerwise, session, trigger, user, run)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         report.output_tokens = sequences.shape[1] - ids.shape[1]
         try:
@@ -256,6 +261,7 @@ class HFKVStore:
         layerwise: bool | None,
         session: str | None,
         trigger: Trigger,
+        user: str | None,
         run: Callable[[DynamicCache, int], Any],
     ) -> tuple[Any, DynamicCache, RequestReport]:
         """Plan, announce, load and ``run(cache, loaded_tokens)`` with a fallback to the
@@ -274,6 +280,7 @@ class HFKVStore:
                 prompt_tokens=report.prompt_tokens,
                 cached_tokens=report.cached_tokens,
                 trigger=trigger,
+                user=user,
             )
         device, limit = ids.device, ids.shape[1] - 1
         with torch.no_grad():

@@ -6,6 +6,7 @@ prompt: a failure may cost a recompute, never a wrong token.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,9 @@ def test_through_a_real_daemon_with_session_events(
     with kvstore.connect(daemon.url) as client:
         kv = HFKVStore(model, client, chunk_tokens=CHUNK, tenant_salt=request.node.name)
         session = f"{request.node.name}-session"
-        cold = kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, session=session)
+        cold = kv.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, session=session, user="alice"
+        )
         warm = kv.generate(
             ids, max_new_tokens=NEW_TOKENS, do_sample=False, session=session, layerwise=True
         )
@@ -143,6 +146,16 @@ def test_through_a_real_daemon_with_session_events(
     after = client_tokens(daemon)
     assert after["cache"] - before.get("cache", 0) == 3 * CHUNK
     assert after["recompute"] - before.get("recompute", 0) == (3 * CHUNK + 8) + 8
+    # The predictor saw both requests as one session of the user the first one named.
+    with daemon.client() as http:
+        deadline = time.monotonic() + 10.0
+        while True:
+            known = http.get(f"/v1/sessions/{session}")
+            if known.status_code == 200 and known.json()["requests"] >= 2:
+                break
+            assert time.monotonic() < deadline, known.text
+            time.sleep(0.05)
+    assert known.json()["user"] == "alice"
 
 
 def test_events_that_cannot_be_sent_never_break_generation(
