@@ -94,27 +94,19 @@ clean:
 	rm -rf $(VENV) build dist *.egg-info
 
 # The GPU check (bench/gpu_check.py) for a lent machine with one GPU and no network:
-# `make gpu-wheels` here downloads what that machine lacks (wheels for CPython 3.12 on
-# manylinux x86_64; Debian's redis-server and the two libraries a plain image lacks)
-# into build/gpu-wheels/; `make gpu-check` there installs them into a scratch
-# directory and runs the CUDA tests and GPU benchmarks, writing under $$OUT. On a
-# machine without a GPU it skips what needs one and exits 0.
+# `make gpu-wheels` here downloads the wheels that machine lacks (for CPython 3.12 on
+# manylinux x86_64) into build/gpu-wheels/; `make gpu-check` there installs them into
+# a scratch directory and runs the CUDA tests and GPU benchmarks, writing under $$OUT.
+# On a machine without a GPU it skips what needs one and exits 0.
 GPU_WHEELS := build/gpu-wheels
 GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
-LIBDIR := usr/lib/x86_64-linux-gnu
 
 gpu-wheels:
-	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)/bin $(GPU_WHEELS)/lib $(GPU_WHEELS)/debs
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(BIN)/pip download --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --abi cp312 --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 		-d $(GPU_WHEELS) lmdb redis hiredis zstandard pytest-asyncio
-	cd $(GPU_WHEELS)/debs && apt-get download redis-tools liblzf1 libjemalloc2
-	for deb in $(GPU_WHEELS)/debs/*.deb; do dpkg-deb -x $$deb $(GPU_WHEELS)/debs/root; done
-	cp $(GPU_WHEELS)/debs/root/usr/bin/redis-check-rdb $(GPU_WHEELS)/bin/redis-server
-	cp -L $(GPU_WHEELS)/debs/root/$(LIBDIR)/liblzf.so.1 \
-		$(GPU_WHEELS)/debs/root/$(LIBDIR)/libjemalloc.so.2 $(GPU_WHEELS)/lib/
-	rm -rf $(GPU_WHEELS)/debs
 
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py

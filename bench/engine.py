@@ -19,8 +19,9 @@ drift hits all alike:
 get every chunk into a staging buffer, unpack every layer into the cache's
 tensors), against ``ceiling_gbps``: the same bytes copied between warm
 buffers by a plain memcpy (CPU) or a pinned host-to-device copy (CUDA).
-The two are timed interleaved, ``LOAD_REPS`` times each, medians; ``ratio``
-is ``load_gbps / ceiling_gbps`` and ``best_ratio`` the same from the fastest
+The two are timed interleaved, ``LOAD_REPS`` times each (``QUICK_LOAD_REPS`` with
+``--quick``), medians; ``ratio`` is ``load_gbps / ceiling_gbps`` and
+``best_ratio`` the same from the fastest
 repetition of each (what the load costs when no other process takes the
 cores). A reload copies the bytes twice (store -> staging -> cache), so on
 the host a ratio of 0.5 is the most it can reach; ``fetch_gbps`` and
@@ -82,6 +83,9 @@ GiB = 1 << 30
 NEW_TOKENS = 4
 TIERS = ("hbm", "dram", "lmdb", "redis", "daemon")
 LOAD_REPS = 31  # loads are cheap next to forwards: more reps, steadier medians
+# Enough for a median on a machine of its own (the GPU check), where 31 loads of a 32K
+# prompt from LMDB or the daemon (4 GiB each) would take most of its time.
+QUICK_LOAD_REPS = 7
 CPU_SHAPE = {  # ~23M parameters, 8 KiB of KV per token in float32
     "hidden_size": 512,
     "intermediate_size": 1408,
@@ -109,25 +113,22 @@ class Plan:
     lengths: tuple[int, ...]
     chunk_tokens: int
     reps: int
+    load_reps: int
     store_bytes: int
 
 
 def plan(args: argparse.Namespace) -> Plan:
+    reps, load_reps = (2, QUICK_LOAD_REPS) if args.quick else (3, LOAD_REPS)
+    lengths: tuple[int, ...]
+    shape: dict[str, Any]
     if args.device == "cuda":
         lengths = (2048, 8192) if args.quick else (2048, 8192, 32768, 65536)
-        return Plan(
-            torch.device("cuda"),
-            LLAMA_8B_SHAPE,
-            torch.bfloat16,
-            lengths,
-            256,
-            2 if args.quick else 3,
-            24 * GiB,
-        )
-    cpu_lengths: tuple[int, ...] = (512, 1024) if args.quick else (1024, 2048, 4096)
-    return Plan(
-        torch.device("cpu"), CPU_SHAPE, torch.float32, cpu_lengths, 256, 2 if args.quick else 3, GiB
-    )
+        shape, dtype, store_bytes = LLAMA_8B_SHAPE, torch.bfloat16, 24 * GiB
+    else:
+        lengths = (512, 1024) if args.quick else (1024, 2048, 4096)
+        shape, dtype, store_bytes = CPU_SHAPE, torch.float32, GiB
+    device = torch.device(args.device)
+    return Plan(device, shape, dtype, lengths, 256, reps, load_reps, store_bytes)
 
 
 def build_model(p: Plan) -> Any:
@@ -210,10 +211,10 @@ def copy_ceiling(nbytes: int, device: torch.device) -> Callable[[], None]:
     return lambda: np.copyto(target_array, source_array)
 
 
-def measure_load(kv: HFKVStore, ids: torch.Tensor) -> dict[str, float]:
+def measure_load(kv: HFKVStore, ids: torch.Tensor, reps: int) -> dict[str, float]:
     """``load_cache`` of the whole cached prefix against the raw copy of its bytes.
 
-    Interleaved, ``LOAD_REPS`` times each after a warmup, so both see the
+    Interleaved, ``reps`` times each after a warmup, so both see the
     same machine; medians. The load is exactly what ``prefill`` runs before
     its forward (lookup excluded), with the object's buffer pool, and each
     cache is dropped before the next load as a finished request's would be.
@@ -233,7 +234,7 @@ def measure_load(kv: HFKVStore, ids: torch.Tensor) -> dict[str, float]:
 
     samples = time_interleaved(
         {"load": Case(run=load), "ceiling": Case(run=copy_ceiling(nbytes, ids.device))},
-        LOAD_REPS,
+        reps,
     )
     load_s, ceiling_s = samples["load"].median, samples["ceiling"].median
     return {
@@ -242,8 +243,8 @@ def measure_load(kv: HFKVStore, ids: torch.Tensor) -> dict[str, float]:
         "ratio": ceiling_s / load_s,
         # Fastest repetition of each: the cost with no other process on the cores.
         "best_ratio": samples["ceiling"].best / samples["load"].best,
-        "fetch_gbps": gbps(nbytes, statistics.median(parts["fetch"][-LOAD_REPS:])),
-        "install_gbps": gbps(nbytes, statistics.median(parts["install"][-LOAD_REPS:])),
+        "fetch_gbps": gbps(nbytes, statistics.median(parts["fetch"][-reps:])),
+        "install_gbps": gbps(nbytes, statistics.median(parts["install"][-reps:])),
         "load_mib": nbytes / (1 << 20),
     }
 
@@ -286,7 +287,7 @@ def measure_tier(
         },
         p.reps,
     )
-    load = measure_load(kv, ids)
+    load = measure_load(kv, ids, p.load_reps)
     generated = [
         kv.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, layerwise=lw).sequences
         for lw in (False, True)

@@ -1,10 +1,13 @@
 """``bench/gpu_check.py`` without a device: every step that needs one skips with its
-reason, the rest run, and the exit code is 0; and the goals it reads off the engine
-benchmark's JSON."""
+reason, the rest run, and the exit code is 0; the goals it reads off the engine
+benchmark's JSON; the SGLang step's skip where SGLang does not import; and the
+budgets, which must add up to less than the 8 minutes the check has."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,9 @@ def test_without_a_device_the_check_skips_what_needs_one_and_passes(tmp_path: Pa
         step["name"]: step
         for step in json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
     }
-    assert list(steps) == ["environment", "install", "cuda_tests", "tiers", "engine", "cuda_ipc"]
+    assert list(steps) == [
+        "environment", "install", "cuda_tests", "tiers", "engine", "cuda_ipc", "sglang"
+    ]  # fmt: skip
     assert steps["environment"]["figures"]["cuda"] is False
     assert all(steps["environment"]["figures"]["present"].values())
     assert steps["install"]["status"] == steps["cuda_tests"]["status"] == "ran"
@@ -29,6 +34,33 @@ def test_without_a_device_the_check_skips_what_needs_one_and_passes(tmp_path: Pa
     for name in ("tiers", "engine"):
         assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA device")
     assert steps["cuda_ipc"]["status"] == "skipped"
+    assert (steps["sglang"]["status"], steps["sglang"]["reason"]) == ("skipped", "no CUDA device")
+    assert steps["sglang"]["figures"]["failed_import"].startswith("import ")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is here")
+def test_with_a_device_but_no_sglang_the_sglang_step_names_the_failing_import(
+    tmp_path: Path,
+) -> None:
+    check = gpu_check.Check(tmp_path)
+    check.cuda = True  # as on the lent machine, whose image has no SGLang
+    step = gpu_check.Step("sglang")
+    gpu_check.sglang(check, step)
+    failure = "import sglang: ModuleNotFoundError: No module named 'sglang'"
+    assert (step.status, step.reason) == (
+        "skipped",
+        f"SGLang's engine does not run here: {failure}",
+    )
+    assert step.figures == {"failed_import": failure, "figures": {}, "checks": {}, "error": None}
+
+
+def test_the_budgets_fit_in_8_minutes_and_match_the_limits_the_steps_run_under() -> None:
+    table = re.findall(r"^    ([a-z_]+) .* (\d+) s$", gpu_check.__doc__ or "", re.MULTILINE)
+    budgets = {step: int(seconds) for step, seconds in table}
+    assert list(budgets) == [name for name, _ in gpu_check.STEPS]
+    assert sum(budgets.values()) <= 8 * 60
+    assert budgets["engine"] == sum(run.timeout_s for run in gpu_check.ENGINE_RUNS)
+    assert budgets["sglang"] == gpu_check.SGLANG_BUDGET_S
 
 
 def row(tier: str, tokens: int, speedup: float, ratio: float, identical: bool = True) -> Any:
