@@ -50,7 +50,9 @@ from the ``cuda_tests`` step's report, which ran them.
 Without a CUDA device every step that needs one is skipped with that reason (the
 ``sglang`` step still records which import fails) and the script exits 0:
 ``tests/bench/test_gpu_check.py`` runs it so on every CI run. A step that fails
-makes the exit code 1; ``$OUT/gpu_check.json`` says which and ``$OUT/<step>.log`` why.
+makes the exit code 1; ``$OUT/gpu_check.json`` says which and ``<step>.log`` why.
+The logs and the pytest report are packed into ``$OUT/logs.tar.gz`` at the end, so
+what comes back is four files (the lent machine returns at most eight).
 
     python bench/gpu_check.py [--out DIR]    # default: $OUT, else build/gpu-check
 """
@@ -62,6 +64,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -328,7 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         check.step(name, lambda step, run=run: run(check, step))
     summary = {"steps": [asdict(step) for step in check.steps]}
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+    _pack_logs(out)
     return 1 if any(step.status == "failed" for step in check.steps) else 0
+
+
+def _pack_logs(out: Path) -> None:
+    """Move every step's log and the pytest report into ``logs.tar.gz``."""
+    logs = sorted([*out.glob("*.log"), *out.glob("*.xml")])
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as archive:
+        for path in logs:
+            archive.add(path, arcname=path.name)
+    for path in logs:
+        path.unlink()
 
 
 if __name__ == "__main__":

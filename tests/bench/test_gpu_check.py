@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,12 @@ def test_without_a_device_the_check_skips_what_needs_one_and_passes(tmp_path: Pa
     assert steps["environment"]["figures"]["cuda"] is False
     assert all(steps["environment"]["figures"]["present"].values())
     assert steps["install"]["status"] == steps["cuda_tests"]["status"] == "ran"
-    assert "skipped" in (tmp_path / "cuda_tests.log").read_text()  # the CUDA tests, by themselves
+    # What comes back from a lent machine: at most eight files, the logs in one archive.
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["gpu_check.json", "logs.tar.gz"]
+    with tarfile.open(tmp_path / "logs.tar.gz") as archive:
+        assert {"cuda_tests.log", "cuda_tests.xml"} <= set(archive.getnames())
+        log = archive.extractfile("cuda_tests.log")
+        assert log is not None and b"skipped" in log.read()  # the CUDA tests, by themselves
     for name in ("tiers", "engine"):
         assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA device")
     assert steps["cuda_ipc"]["status"] == "skipped"
