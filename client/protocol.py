@@ -76,7 +76,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
-from kvstore.store.out_buffers import OutBuffers
+from kvstore.store.out_buffers import OutBuffers, host_arrays
 from kvstore.store.stats import StoreStats, TierCounters
 from kvstore.throttled_log import ThrottledLog
 from kvstore.tiers.arena_handle import ArenaHandle
@@ -348,7 +348,7 @@ class ClientProtocol:
             if self.shm:
                 received = yield from self._get_shared(namespace, keys, buffers)
             else:
-                received = yield from self._get_bytes(namespace, keys, _host(buffers))
+                received = yield from self._get_bytes(namespace, keys, host_arrays(buffers))
         except TierUnavailable:
             with self._lock:
                 self._stats.gets_failed += 1
@@ -462,7 +462,7 @@ class ClientProtocol:
         """Lease the DRAM blocks (and, into ``out=`` tensors, the HBM ones), copy them
         out of the mapped arenas, release the lease (without waiting for the answer),
         then fetch the blocks held elsewhere, or that could not be copied, as bytes."""
-        out = _host(buffers)
+        out = host_arrays(buffers)
         if self._arena is None:
             yield from self._map_arena()
             if self._arena is None:  # nothing to map: bytes from now on
@@ -509,7 +509,7 @@ class ClientProtocol:
             copied = [index for index, _ in on_device if index not in fallen]
             for index, _ in on_device:  # left to copy_leased: inline, or done already
                 entries[index] = LeasedBlock(None, None, None, inline=index in fallen)
-        out = _host(buffers)
+        out = host_arrays(buffers)
         received = copy_leased(
             arena, namespace, keys, entries, out, self._buffers, self._copier, self.verify
         )
@@ -653,11 +653,6 @@ class ClientProtocol:
 
 
 # -- requests and answers ---------------------------------------------------------
-
-
-def _host(buffers: OutBuffers | None) -> list[np.ndarray] | None:
-    """Where a get's payloads land and are verified (``OutBuffers.host``)."""
-    return None if buffers is None else buffers.host
 
 
 def _post(path: str, request: Any = None, **options: Any) -> Call:

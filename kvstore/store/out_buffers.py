@@ -108,6 +108,12 @@ class OutBuffers:
         return delivered
 
 
+def host_arrays(buffers: OutBuffers | None) -> list[np.ndarray] | None:
+    """Where a get's payloads land and are verified (``OutBuffers.host``), if it has
+    ``out=`` buffers at all."""
+    return None if buffers is None else buffers.host
+
+
 def destination_tensor(data: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """A caller's ``out=`` tensor as a flat uint8 view of one chunk, where it lies: a
     contiguous tensor of the layout's dtype and exactly one chunk's size, in host

@@ -42,7 +42,7 @@ from kvstore.store.core import StoreCore
 from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.index import BlockMeta
 from kvstore.store.maintenance import Maintenance
-from kvstore.store.out_buffers import OutBuffers
+from kvstore.store.out_buffers import OutBuffers, host_arrays
 from kvstore.store.placement import Admission
 from kvstore.store.stats import NamespaceEviction, NamespaceUsage, StoreStats
 from kvstore.tiers.base import Tier
@@ -194,7 +194,7 @@ class TieredStore(Closing):
         keys = list(keys)
         self.core.check_batch(len(keys))
         buffers = None if out is None else OutBuffers.of(out, namespace.layout, len(keys))
-        results = self.core.read(namespace, keys, None if buffers is None else buffers.host)
+        results = self.core.read(namespace, keys, host_arrays(buffers))
         with self.core.lock:
             self.core.stats.gets += 1
             self.core.stats.get_misses += sum(1 for chunk in results if chunk is None)
