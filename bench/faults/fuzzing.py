@@ -18,7 +18,7 @@ canary data still there afterwards (the reliability plan, section 4 item 10).
       ├─ in-process targets: FrameDecoder and parse_meta (frame_decoder), and
       │  parse_header / verify_* / stored_block / seal_block / decode_payload
       │  (block_header) fed mutated valid bodies and blocks: only kvstore's own
-      │  errors (KVStoreError), each call within CALL_S
+      │  errors (KVStoreError), each call within fuzz_decoders.CALL_S
       │
       └─ canary read back over both transports, byte for byte
 
@@ -26,7 +26,7 @@ Every failing input is saved under ``workdir/failures/`` (the request as raw
 bytes to replay with ``nc -U``, or the decoder's input) beside a JSON note of
 what went wrong; the first few are in the report.
 
-Hypothesis drives every target: each runs in batches of ``_BATCH`` examples,
+Hypothesis drives every target (``fuzz_driver.drive``): each runs in batches,
 batch ``i`` seeded from ``(seed, target, i)``, generation only (nothing is
 raised into hypothesis, so nothing shrinks), and the scale's clock is checked
 between examples. The same seed sends the same inputs.
@@ -37,14 +37,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import signal
 import socket
-import threading
 import time
-import traceback
 import urllib.parse
-import zlib
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,51 +47,28 @@ from typing import Any
 
 import httpx
 import numpy as np
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from faults import fuzz_inputs as fi
 from faults.campaign import DaemonSpec, Report, Scale, tcp_settings
+from faults.fuzz_decoders import in_process_targets
+from faults.fuzz_driver import Findings, Target, drive
+from faults.fuzz_seeds import LAYOUT, frames, fuzz_chain, put_parts, put_seed
 from kvstore import connect
-from kvstore.block import (
-    HEADER_BYTES,
-    Codec,
-    checksum_trailer,
-    copy_payload,
-    encode_block,
-    fill_sealed,
-    fill_verified,
-    parse_header,
-    payload_hasher,
-    seal_block,
-    stored_block,
-    verify_block,
-    verify_parts,
-)
-from kvstore.block import check_identity as check_block_identity
-from kvstore.codec import decode_payload, encode_payload
 from kvstore.errors import KVStoreError
-from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.wire.codes import ErrorCode
 from kvstore.wire.frames import (
     FRAMES_CONTENT_TYPE,
     META_LENGTH,
     FrameDecoder,
-    FrameLimits,
-    meta_length,
-    parse_meta,
 )
 from kvstore.wire.messages import namespace_to_json
 
 SCENARIO = "fuzzing"
 SEED = 10
 HANG_S = 10.0  # an HTTP request not answered (nor its connection closed) by then hangs
-CALL_S = 2.0  # an in-process decoder call taking longer hangs
 _QUIET_S = 0.25  # a raw request unanswered this long is half-closed: the daemon sees its end
-_BATCH = 50
-_SAVED_FAILURES = 100
-_REPORTED_FAILURES = 5
 MUST_BE_ZERO = (
     "http_5xx",
     "unexpected_exceptions",
@@ -119,11 +91,9 @@ HTTP_TARGETS = (
     "operational",
     "headers",
 )
-IN_PROCESS_TARGETS = ("frame_decoder", "block_header")
 # An in-process case costs far less than a request: this many for each of a request's.
 _IN_PROCESS_FACTOR = 5
 # What every fuzz namespace and canary shares: small chunks, so cases stay fast.
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
 
 
 def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
@@ -139,11 +109,11 @@ def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
         changed_before = sum(_canary_changes(daemon, canary) for canary in canaries)
         if changed_before:
             raise RuntimeError(f"canary data did not read back before fuzzing: {changed_before}")
-        targets = _http_targets(daemon, findings) + _in_process_targets(findings)
+        targets = _http_targets(daemon, findings) + in_process_targets(findings)
         for index, target in enumerate(targets):
             share = (deadline - time.monotonic()) / (len(targets) - index)
             count = per_http_target * (1 if target.over_http else _IN_PROCESS_FACTOR)
-            cases[target.name] = _drive(target, count, time.monotonic() + share, seed, findings)
+            cases[target.name] = drive(target, count, time.monotonic() + share, seed, findings)
             if target.over_http and not daemon.alive():
                 findings.record("daemon_crashes", target.name, daemon.log_tail(), b"")
                 daemon.restart()
@@ -169,88 +139,6 @@ def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
         "first_failures": findings.first,
     }
     return Report(SCENARIO, figures, MUST_BE_ZERO)
-
-
-# -- findings --------------------------------------------------------------------------
-
-
-class Findings:
-    """What went wrong, counted by kind, the first ``_SAVED_FAILURES`` inputs saved
-    under ``directory``; and every answer's status."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.counts: Counter[str] = Counter()
-        self.statuses: Counter[str] = Counter()
-        self.by_target: dict[str, Counter[str]] = {}
-        self.first: list[dict[str, Any]] = []
-        self._saved = 0
-
-    def answered(self, target: str, status: str) -> None:
-        """Count an HTTP exchange by how it ended: a status, ``closed``, ``hang``..."""
-        self.statuses[status] += 1
-        self.by_target.setdefault(target, Counter())[status] += 1
-
-    def record(self, kind: str, target: str, detail: str, data: bytes) -> None:
-        self.counts[kind] += 1
-        if self._saved >= _SAVED_FAILURES:
-            return
-        self._saved += 1
-        self.directory.mkdir(parents=True, exist_ok=True)
-        stem = self.directory / f"{self._saved:04d}-{target}-{kind}"
-        stem.with_suffix(".bin").write_bytes(data)
-        note = {"target": target, "kind": kind, "detail": detail, "input": str(stem) + ".bin"}
-        stem.with_suffix(".json").write_text(json.dumps(note, indent=2) + "\n")
-        if len(self.first) < _REPORTED_FAILURES:
-            shown = data[:160].decode("latin-1").encode("unicode_escape").decode()
-            self.first.append({**note, "detail": detail[-600:], "input_head": shown})
-
-
-# -- driving hypothesis ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Target:
-    """One thing fuzzed: its inputs, and ``check``, which sends one and records
-    whatever went wrong in the ``Findings`` (it never raises for a finding)."""
-
-    name: str
-    inputs: st.SearchStrategy[Any]
-    check: Callable[[Any], None]
-    over_http: bool = True
-
-
-def _drive(target: Target, count: int, deadline: float, seed: int, findings: Findings) -> int:
-    """Run ``target`` on up to ``count`` generated inputs before ``deadline``; how many ran."""
-    ran = 0
-    for batch in range(count):
-        if ran >= count or time.monotonic() >= deadline:
-            break
-        before = ran
-        size = min(_BATCH, count - ran)
-
-        @hypothesis_seed(zlib.crc32(f"{seed}:{target.name}:{batch}".encode()))
-        @settings(
-            max_examples=size,
-            deadline=None,
-            database=None,
-            phases=[Phase.generate],
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(target.inputs)
-        def one(case: Any) -> None:
-            nonlocal ran
-            if ran < count and time.monotonic() < deadline:
-                ran += 1
-                try:
-                    target.check(case)
-                except Exception:  # the fuzzer's own bug: counted, and the run goes on
-                    findings.record("harness_errors", target.name, traceback.format_exc(), b"")
-
-        one()
-        if ran == before:  # hypothesis found nothing new to try
-            break
-    return ran
 
 
 # -- the daemon --------------------------------------------------------------------------
@@ -364,23 +252,15 @@ class Valid:
     put_metas: list[tuple[dict[str, Any], bytes]]  # (metadata, the blocks' bytes)
 
 
-def _fuzz_chain() -> tuple[Namespace, list[ChunkKey], list[memoryview]]:
-    """The fuzzer's own namespace, a chain of 4 keys in it, and their payloads."""
-    namespace = Namespace("fuzz-target", LAYOUT, tenant_salt="fuzz")
-    keys = chunk_keys(namespace, np.arange(0, 4 * LAYOUT.chunk_tokens, dtype=np.int64))
-    rng = np.random.default_rng(7)
-    return namespace, keys, [memoryview(rng.bytes(LAYOUT.chunk_nbytes)) for _ in keys]
-
-
 def _valid(daemon: _Daemon) -> Valid:
     """Valid bodies of every route, the fuzz chain stored and one of its leases granted."""
-    namespace, keys, payloads = _fuzz_chain()
+    namespace, keys, payloads = fuzz_chain()
     digest, hex_keys = namespace.digest.hex(), [key.hex() for key in keys]
     puts: list[fi.Seed] = []
     put_metas: list[tuple[dict[str, Any], bytes]] = []
     for seal in ("header", "trailer", "daemon"):
-        meta, blocks = _put_parts(namespace, keys, payloads, seal)
-        puts.append(_put_seed(meta, blocks))
+        meta, blocks = put_parts(namespace, keys, payloads, seal)
+        puts.append(put_seed(meta, blocks))
         put_metas.append((meta, b"".join(blocks)))
     registered = daemon.unix.post("/v1/namespaces", json=namespace_to_json(namespace))
     stored = daemon.unix.post(
@@ -427,72 +307,6 @@ def _valid(daemon: _Daemon) -> Valid:
     for body in (started, finished):  # the predictor knows the session, for its route
         daemon.unix.post("/v1/events", json=body)
     return Valid(routes, puts, put_metas)
-
-
-def _put_parts(
-    namespace: Namespace, keys: list[ChunkKey], payloads: list[memoryview], seal: str
-) -> tuple[dict[str, Any], list[bytes]]:
-    """A put's metadata and its blocks as they travel with ``seal`` (the third absent)."""
-    entries: list[dict[str, Any]] = []
-    blocks: list[bytes] = []
-    for index, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
-        if index == 2:
-            entries.append({"key": key.hex(), "length": None})
-            continue
-        parent = keys[index - 1] if index else None
-        block = encode_block(namespace, key, parent, payload, sealed=seal == "header")
-        entries.append({"key": key.hex(), "length": block.nbytes})
-        trailer = b""
-        if seal == "trailer":
-            hasher = payload_hasher(block.header)
-            hasher.update(block.payload)
-            trailer = checksum_trailer(hasher)
-        blocks.append(block.to_bytes() + trailer)
-    meta = {"namespace": namespace.digest.hex(), "session": "fuzz-session", "seal": seal}
-    return {**meta, "blocks": entries}, blocks
-
-
-def frames(meta: Any, blocks: bytes) -> bytes:
-    encoded = fi.dumps(meta)
-    return META_LENGTH.pack(len(encoded)) + encoded + blocks
-
-
-# A block header's numbers: (offset, width) of version, codec, dtype, the four layout
-# fields, raw_len, payload_len, checksum and the reserved bytes.
-_HEADER_NUMBERS = (
-    (4, 2),
-    (6, 1),
-    (7, 1),
-    (56, 4),
-    (60, 4),
-    (64, 4),
-    (68, 4),
-    (72, 8),
-    (80, 8),
-    (88, 8),
-    (96, 8),
-    (120, 8),
-)
-
-
-def _put_seed(meta: dict[str, Any], blocks: list[bytes]) -> fi.Seed:
-    body = frames(meta, b"".join(blocks))
-    numbers: list[tuple[int, int]] = [(0, 4)]
-    start = len(body) - sum(len(block) for block in blocks)
-    for block in blocks:
-        numbers += [(start + offset, width) for offset, width in _HEADER_NUMBERS]
-        start += len(block)
-    return fi.Seed(body, tuple(numbers))
-
-
-def _block_seed(
-    namespace: Namespace, keys: list[ChunkKey], payload: memoryview, codec: Codec
-) -> fi.Seed:
-    stored = encode_payload(payload, namespace.layout.dtype, codec)
-    block = encode_block(
-        namespace, keys[1], keys[0], memoryview(stored), codec=codec, raw_len=payload.nbytes
-    )
-    return fi.Seed(block.to_bytes(), _HEADER_NUMBERS)
 
 
 # -- HTTP targets ------------------------------------------------------------------------
@@ -837,178 +651,6 @@ def _as_http(method: str, path: str, headers: dict[str, str], body: bytes) -> by
     lines += [f"{name}: {value}" for name, value in headers.items()]
     lines.append(f"Content-Length: {len(body)}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogatepass") + body
-
-
-# -- in-process targets ------------------------------------------------------------------
-
-
-class _Overran(BaseException):
-    """Raised by the alarm in a decoder call past ``CALL_S`` (a BaseException, so no
-    ``except Exception`` in the code under test swallows it)."""
-
-
-@contextlib.contextmanager
-def _bounded(seconds: float) -> Iterator[None]:
-    """Interrupt the block with ``_Overran`` after ``seconds`` (main thread only: the
-    alarm is a signal; elsewhere the caller's clock judges)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def overran(signum: int, frame: Any) -> None:
-        raise _Overran
-
-    previous = signal.signal(signal.SIGALRM, overran)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _call_checked(
-    findings: Findings, target: str, what: str, data: bytes, call: Callable[[], object]
-) -> None:
-    """Run ``call``: kvstore's own errors are answers; anything else, or a call past
-    ``CALL_S``, is recorded."""
-    start = time.monotonic()
-    try:
-        with _bounded(CALL_S):
-            call()
-    except KVStoreError:
-        pass
-    except _Overran:
-        findings.record("hangs", target, f"{what}: still running after {CALL_S:g} s", data)
-        return
-    except Exception as error:
-        detail = f"{what}: {type(error).__name__}: {error}\n{traceback.format_exc()}"
-        findings.record("unexpected_exceptions", target, detail, data)
-        return
-    if time.monotonic() - start > CALL_S:
-        findings.record("hangs", target, f"{what}: took {time.monotonic() - start:.1f} s", data)
-
-
-@dataclass(frozen=True)
-class FrameCase:
-    """A frames body to decode, the step it is fed in, the decoder's mode and limits."""
-
-    data: bytes
-    step: int
-    mode: str  # "copying", "fresh" (one-copy into new buffers), "caller" (into ours)
-    limits: FrameLimits
-
-
-def _decode_frames(case: FrameCase) -> None:
-    into: Callable[[int, bytes, int], memoryview | None] | None = None
-    if case.mode == "fresh":
-        into = lambda index, header, size: None  # noqa: E731
-    elif case.mode == "caller":
-        into = lambda index, header, size: memoryview(bytearray(size)) if size < 1 << 20 else None  # noqa: E731
-    decoder = FrameDecoder(case.limits, into=into)
-    view = memoryview(case.data)
-    for start in range(0, len(view), case.step):
-        decoder.feed(view[start : start + case.step])
-    decoder.finish()
-
-
-def _parse_put_head(case: FrameCase) -> None:
-    """What the put route reads of a body before its blocks (``put._receive``)."""
-    length = meta_length(case.data[: META_LENGTH.size].ljust(META_LENGTH.size, b"\0"), case.limits)
-    parse_meta(case.data[META_LENGTH.size : META_LENGTH.size + length], case.limits)
-
-
-def _block_calls(
-    data: bytes, namespace: Namespace, key: ChunkKey
-) -> list[tuple[str, Callable[[], object]]]:
-    """Every decoder of a block, on ``data``: each must refuse bad bytes with kvstore's errors."""
-    view = memoryview(data)
-    head, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
-
-    def identity() -> None:
-        header = parse_header(view)
-        check_block_identity(header, namespace, key, whole_chunk=True)
-        decode_payload(stored_block(view).payload, header.dtype, header.codec, header.raw_len)
-
-    return [
-        ("parse_header", lambda: parse_header(view)),
-        ("verify_block", lambda: verify_block(view)),
-        ("verify_block(check_payload=False)", lambda: verify_block(view, check_payload=False)),
-        ("verify_parts", lambda: verify_parts(bytes(head), payload)),
-        ("stored_block", lambda: stored_block(view)),
-        ("copy_payload", lambda: copy_payload(head, payload, bytearray(payload.nbytes))),
-        ("seal_block", lambda: seal_block(memoryview(bytearray(data)))),
-        ("fill_verified", lambda: fill_verified(head, bytearray(payload.nbytes), _reader(payload))),
-        ("fill_sealed", lambda: fill_sealed(head, bytearray(payload.nbytes), _reader(payload))),
-        ("check_identity + decode_payload", identity),
-    ]
-
-
-def _reader(payload: memoryview) -> Callable[[memoryview], None]:
-    """A ``fill`` (``block.fill_verified``) that reads ``payload`` in order, as a socket would."""
-    taken = 0
-
-    def fill(step: memoryview) -> None:
-        nonlocal taken
-        step[:] = payload[taken : taken + step.nbytes]
-        taken += step.nbytes
-
-    return fill
-
-
-def _in_process_targets(findings: Findings) -> list[Target]:
-    """The frames decoder and the block decoders, fed mutations of the fuzz chain's
-    put bodies, a get answer and blocks of every codec."""
-    namespace, keys, payloads = _fuzz_chain()
-    blocks = [_block_seed(namespace, keys, payloads[0], codec) for codec in Codec]
-    puts = [
-        _put_seed(*_put_parts(namespace, keys, payloads, seal)) for seal in ("header", "trailer")
-    ]
-    answer = {
-        "blocks": [
-            {"key": keys[0].hex(), "length": len(blocks[0].data), "tier": "dram"},
-            {"key": keys[1].hex(), "length": None, "tier": None},
-        ]
-    }
-    frame_seeds = [*puts, fi.Seed(frames(answer, blocks[0].data), ((0, 4),))]
-    limits = st.sampled_from(
-        (FrameLimits(), FrameLimits(max_meta_bytes=64, max_blocks=2, max_block_bytes=200))
-    )
-    frame_cases = st.builds(
-        FrameCase,
-        st.one_of(fi.mutated(frame_seeds), fi.mutated(frame_seeds), fi.garbage()),
-        st.sampled_from((1, 3, 4, 127, 128, 129, 4096, 1 << 20)),
-        st.sampled_from(("copying", "fresh", "caller")),
-        limits,
-    )
-
-    def check_frames(case: FrameCase) -> None:
-        _call_checked(
-            findings,
-            "frame_decoder",
-            f"FrameDecoder({case.mode}, step {case.step})",
-            case.data,
-            lambda: _decode_frames(case),
-        )
-        _call_checked(
-            findings,
-            "frame_decoder",
-            "meta_length + parse_meta",
-            case.data,
-            lambda: _parse_put_head(case),
-        )
-
-    def check_block(data: bytes) -> None:
-        for what, call in _block_calls(data, namespace, keys[1]):
-            _call_checked(findings, "block_header", what, data, call)
-
-    block_inputs = st.one_of(
-        fi.mutated(blocks), fi.mutated(blocks), fi.mutated(blocks), fi.garbage()
-    )
-    return [
-        Target("frame_decoder", frame_cases, check_frames, over_http=False),
-        Target("block_header", block_inputs, check_block, over_http=False),
-    ]
 
 
 def _open_path(request: bytes) -> bool:

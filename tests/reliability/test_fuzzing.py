@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from faults import fuzzing
+from faults import fuzz_decoders, fuzzing
 from faults.campaign import SHORT
 
 
@@ -14,7 +14,7 @@ def test_fuzzing_short_form_finds_nothing(tmp_path: Path) -> None:
     report = fuzzing.run(SHORT, tmp_path)
     assert report.failures() == {}, report.figures["first_failures"]
     cases = report.figures["cases"]
-    assert set(cases) == {*fuzzing.HTTP_TARGETS, *fuzzing.IN_PROCESS_TARGETS}
+    assert set(cases) == {*fuzzing.HTTP_TARGETS, *fuzz_decoders.IN_PROCESS_TARGETS}
     assert all(count > 0 for count in cases.values()), cases
     # Every HTTP target was answered, and some of its requests were accepted or refused
     # deep in a route rather than all at the door.
