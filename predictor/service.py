@@ -43,6 +43,13 @@ daemon flooded with connections as it starts) leaves the daemon serving without
 one, ``"source": "unavailable"``, its events dropped once the queue is full:
 torch cannot be imported again in a process where its import failed half-way.
 
+The load runs on a daemon thread of its own, not the loop's executor: a daemon
+stopped in the seconds it takes to import torch stops at once, where a worker
+thread would hold the process until the import finished (``serve`` shuts its
+executor down waiting, and the interpreter joins every worker at exit). Nothing
+waits for a model it will not use; a load still running when the process ends
+has written nothing but, at most, a saved model set aside.
+
 Threads: the queue, the clock and the counters belong to the event loop; the
 learner, tracker and scores are used under ``_lock`` on worker threads; the
 policy under the store's lock as well (``kvstore.predictor.driver``).
@@ -51,6 +58,7 @@ policy under the store's lock as well (``kvstore.predictor.driver``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -60,7 +68,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.errors import ConfigError, UnknownNamespace
 from kvstore.keys import ChunkKey
@@ -79,6 +87,7 @@ if TYPE_CHECKING:  # kvstore.server imports this module: no import cycle at run 
     from kvstore.predictor.learning.model import ReturnModel  # torch: ``load_model`` imports it
 
 log = logging.getLogger("kvstore.predictor")
+_T = TypeVar("_T")
 
 MODEL_FILE = Path("predictor") / "model.pt"
 """The learnt model, relative to the store's data directory."""
@@ -87,6 +96,23 @@ _PUT_CHAINS = 100_000  # sessions whose latest put chain is remembered
 _BASELINES = (("predictor", ""), ("base_rate", "base_rate_"), ("last_gap", "last_gap_"))
 SESSION_DECISIONS = 10
 """The latest decisions of a session that ``session`` reports."""
+
+
+async def _not_waited_for_at_exit(function: Callable[..., _T], *args: Any) -> _T:
+    """``function(*args)`` on a daemon thread, awaited; cancelling the await leaves the
+    thread to finish, or to end with the process."""
+    done: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+    def work() -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(function(*args))
+        except BaseException as error:  # handed to the awaiting task, which decides
+            done.set_exception(error)
+
+    threading.Thread(target=work, name="kvstore-model-load", daemon=True).start()
+    return await asyncio.wrap_future(done)
 
 
 def load_model(config: PredictorConfig, saved: Path) -> tuple[ReturnModel, str]:
@@ -200,7 +226,7 @@ class PredictorService:
         store = self._store
         assert store is not None, "attach() the store first"
         try:
-            model, source = await asyncio.to_thread(load_model, self.config, self.path)
+            model, source = await _not_waited_for_at_exit(load_model, self.config, self.path)
         except ConfigError:
             raise
         except Exception:  # the host's trouble, not the operator's: serve on without it

@@ -9,6 +9,7 @@ The event streams keep a clock of their own (``support.predictor_events``).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -323,6 +324,22 @@ def test_unusable_weights_stop_the_daemon_with_a_clear_error(
         code, output = daemon.stop(), daemon.log()
     assert code == 1
     assert "kvstore serve: predictor: predictor.weights: cannot read model" in output
+
+
+def test_a_daemon_stopped_while_its_model_loads_exits_without_waiting_for_the_load(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """The model loads after the daemon listens, and a SIGTERM meanwhile must not wait
+    for it: an operator's restart in the first seconds would otherwise wait out the
+    torch import. Here the load never ends (its weights are a FIFO nobody writes), so
+    a daemon that waited would be killed at ``stop``'s deadline, not exit 0."""
+    weights = tmp_path / "weights.fifo"
+    os.mkfifo(weights)
+    daemon = daemon_factory(config(weights=str(weights)), daemon=OWN_CLOCK)
+    with daemon.client() as client:
+        assert client.get("/v1/stats").json()["predictor"]["model"]["source"] == "loading"
+    assert daemon.stop(timeout_s=15) == 0
+    assert "stopped in" in daemon.log()
 
 
 def test_a_disabled_predictor_keeps_lru_and_only_records_events(
