@@ -95,9 +95,12 @@ async def test_the_page_shows_tiers_sessions_and_decisions_and_redraws(
             assert lookup(client, NS, keys)["num_chunks"] == 3
             assert all(block is not None for block in get_bytes(client, NS, keys)[1])
         await page.wait_for("document.getElementById('totals').textContent.includes('stored 7')")
-        # The charts: the lookups' token hit rate and the tier that served the hits.
-        legend = await page.wait_for("document.getElementById('hit-rate-legend').innerText")
-        assert "lookups 100.0%" in legend and "dram 100.0%" in legend
+        # The charts: the lookups' token hit rate and the tier that served the hits. A refresh
+        # can land between the lookup and the get, so the tier's share may come one refresh
+        # after the hit rate: wait for both rather than for the first drawing.
+        legend = "document.getElementById('hit-rate-legend').innerText"
+        drawn = await page.wait_for(f"{legend}.includes('dram') && {legend}")
+        assert "lookups 100.0%" in drawn and "dram 100.0%" in drawn
         shot = tmp_path / "status_page.png"
         await page.screenshot(shot)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
