@@ -39,8 +39,8 @@ class BlockTransfer:
     """Blocks ``first .. len(hashes) - 1`` of one request, to load or to save this step.
 
     ``hashes`` are vLLM's hashes of the request's blocks from block 0 on (a put
-    names the whole chain so the store keeps parent links; a load uses only
-    the moving ones). ``block_ids[i]`` is the vLLM block that holds block
+    names the moving ones and the parent of the first, so the store keeps parent
+    links; a load uses only the moving ones). ``block_ids[i]`` is the vLLM block that holds block
     ``first + i``.
     """
 

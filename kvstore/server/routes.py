@@ -75,7 +75,8 @@ async def register_namespace(request: web.Request) -> web.Response:
 
 async def lookup(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    namespace, keys = _namespace_and_keys(store, await read_json(request))
+    body = await read_json(request)
+    namespace, keys = _namespace_and_keys(store, body, store.config.max_lookup_chunks)
     prefix = store.lookup_nowait(namespace, keys)
     if prefix is None:
         prefix = await asyncio.to_thread(store.lookup, namespace, keys)
@@ -307,7 +308,9 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 
 def _namespace_and_keys(
-    store: TieredStore, body: dict[str, Any]
+    store: TieredStore, body: dict[str, Any], limit: int | None = None
 ) -> tuple[Namespace, list[ChunkKey]]:
+    """The body's namespace and keys, at most ``limit`` (default: a batch's) of them."""
     namespace = store.namespace(digest_from_hex(body.get("namespace")))
-    return namespace, keys_from_json(body.get("keys"), store.config.max_batch_chunks)
+    limit = store.config.max_batch_chunks if limit is None else limit
+    return namespace, keys_from_json(body.get("keys"), limit)

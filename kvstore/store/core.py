@@ -176,6 +176,12 @@ class StoreCore:
                 f"{count} chunks in one request; the limit is {self.config.max_batch_chunks}"
             )
 
+    def check_lookup(self, count: int) -> None:
+        if count > self.config.max_lookup_chunks:
+            raise RequestTooLarge(
+                f"{count} keys in one lookup; the limit is {self.config.max_lookup_chunks}"
+            )
+
     # -- where blocks are -------------------------------------------------------
 
     def locate(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
@@ -183,7 +189,7 @@ class StoreCore:
         leading run, and nothing counted as a lookup."""
         self.register(namespace)
         keys = list(keys)
-        self.check_batch(len(keys))
+        self.check_lookup(len(keys))
         with self.lock:
             self.check_open()
             located = self.index.fastest(keys)
@@ -263,7 +269,11 @@ class StoreCore:
         session: str | None,
     ) -> int:
         """Admit chunk ``i`` of ``chain`` for each ``i`` in ``present`` (``frame(i, parent)``
-        makes its block) unless already held; return how many were stored."""
+        makes its block) unless already held; return how many were stored.
+
+        ``chain`` may start mid-way, at the parent of its first new block: what is
+        touched and kept from eviction is its whole prefix (``BlockIndex.lineage``),
+        so a parent stays at least as recent as its child either way."""
         placement = self.placement
         with self.lock:
             self.check_open()
@@ -273,17 +283,18 @@ class StoreCore:
                     continue
                 parent = chain[index - 1] if index else None
                 admissions.append(Admission(chain[index], frame(index, parent), parent))
+            prefix = self.index.lineage(chain)
             # Touch the cached part of the chain first so its blocks are the
             # most recent while the new blocks make room.
-            placement.touch(chain, session)
+            placement.touch(prefix, session)
             stored = placement.admit(
                 placement.fastest,
                 namespace.digest,
                 admissions,
                 session=session,
-                protect=frozenset(chain),
+                protect=frozenset(prefix),
             )
-            placement.touch(chain, session)
+            placement.touch(prefix, session)
             self.stats.puts += 1
             self.stats.chunks_stored += len(stored)
             self.stats.puts_dropped += len(admissions) - len(stored)

@@ -58,6 +58,20 @@ class BlockIndex:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
+    def lineage(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """``keys`` after the indexed ancestors of ``keys[0]``, head first: the whole
+        prefix of a chain that names only its tail (a put from the parent of the first
+        new block on). The walk stops at the first ancestor no tier holds."""
+        entries = self._entries
+        ancestors: list[ChunkKey] = []
+        meta = entries.get(keys[0]) if keys else None
+        while meta is not None and meta.parent is not None and len(ancestors) < len(entries):
+            parent, meta = meta.parent, entries.get(meta.parent)
+            if meta is not None:
+                ancestors.append(parent)
+        ancestors.reverse()
+        return [*ancestors, *keys]
+
     def fastest(self, keys: Iterable[ChunkKey]) -> list[TierKind | None]:
         """The fastest tier known to hold each key, or ``None``."""
         entries = self._entries

@@ -38,6 +38,7 @@ DAEMON_TRANSPORTS = ("unix-bytes", "unix-shm", "tcp")
 EMBEDDED_TOML = """\
 data_dir = "{root}"
 max_batch_chunks = 1024
+max_lookup_chunks = 2048
 
 [tiers.dram]
 capacity = "16MiB"
@@ -225,8 +226,10 @@ def test_an_event_the_daemon_refuses_is_dropped_and_counted_never_raised(
 def test_caller_mistakes_raise(flavour: str, target: Target, ns: Namespace) -> None:
     async def scenario() -> None:
         async with opened(flavour, target.url, **target.options) as store:
-            with pytest.raises(RequestTooLarge):
-                await store.lookup(ns, kv.tokens(1025))  # the stores allow 1024 per call
+            with pytest.raises(RequestTooLarge):  # the stores allow 2048 keys per lookup
+                await store.lookup(ns, kv.tokens(2049))
+            with pytest.raises(RequestTooLarge):  # and 1024 chunks per get
+                await store.get(ns, chunk_keys(ns, kv.tokens(1025)))
             wrong_dtype = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float32)]
             with pytest.raises(LayoutMismatch):
                 await store.put(ns, kv.tokens(1), wrong_dtype)

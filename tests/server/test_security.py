@@ -234,11 +234,13 @@ def test_oversize_bodies_and_batches_are_413(daemon: Daemon, client: httpx.Clien
         headers={"Content-Type": FRAMES_CONTENT_TYPE},
     )
     assert response.status_code == 411 and error_code(response) == "length_required"
-    # Too many keys in one request (max_batch_chunks = 1024).
-    keys = [bytes(16).hex()] * 1025
-    for route in ("/v1/lookup", "/v1/get", "/v1/delete"):
-        response = client.post(route, json={"namespace": ns.digest.hex(), "keys": keys})
-        assert response.status_code == 413 and error_code(response) == "request_too_large"
+    # Too many keys in one request (max_batch_chunks = 1024, max_lookup_chunks = 2048).
+    for route, limit in (("/v1/lookup", 2048), ("/v1/get", 1024), ("/v1/delete", 1024)):
+        for count, status in ((limit, 200), (limit + 1, 413)):
+            keys = [bytes(16).hex()] * count
+            response = client.post(route, json={"namespace": ns.digest.hex(), "keys": keys})
+            assert response.status_code == status, (route, count, response.text)
+    assert error_code(response) == "request_too_large"
     too_many = frames_body(ns, [chain.keys[0]] * 1025, [None] * 1025)
     response = put_raw(client, too_many)
     assert response.status_code == 413 and error_code(response) == "request_too_large"

@@ -137,3 +137,17 @@ def test_held_by_is_a_snapshot_safe_to_drop_while_iterating() -> None:
     for _, key in index.held_by(DRAM):
         assert index.drop(DRAM, key)
     assert index.count(DRAM) == 0 and all(key not in index for key in keys)
+
+
+def test_lineage_puts_the_indexed_ancestors_of_a_chains_head_before_it() -> None:
+    index = BlockIndex()
+    keys = chunk_keys(NS, kv.tokens(5, start=1_000))
+    for i, key in enumerate(keys):
+        index.record(TierKind.DRAM, key, NS.digest, keys[i - 1] if i else None, 10)
+    assert index.lineage(keys[3:5]) == keys[:5]
+    assert index.lineage(keys[:2]) == keys[:2]  # a head has no ancestors
+    assert index.lineage([]) == []
+    index.drop(TierKind.DRAM, keys[1])  # the walk stops where no tier holds the parent
+    assert index.lineage(keys[3:4]) == keys[2:4]
+    unknown = chunk_keys(OTHER, kv.tokens(1))
+    assert index.lineage(unknown) == unknown

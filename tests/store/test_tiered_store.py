@@ -18,6 +18,7 @@ from support.kv import assert_chunks_equal
 from kvstore import (
     AsyncTieredStore,
     ChunkKey,
+    ConfigError,
     LayoutMismatch,
     RequestTooLarge,
     TieredStore,
@@ -92,14 +93,43 @@ def test_bad_input_is_refused_and_stores_nothing(two_level: TieredStore) -> None
 
 
 def test_oversize_requests_are_refused(tmp_path: Path) -> None:
-    config = StoreConfig(tiers=(kv.dram(4),), max_batch_chunks=3)
+    """A put or get names at most ``max_batch_chunks``; a lookup, which carries no
+    payload, up to ``max_lookup_chunks`` keys."""
+    config = StoreConfig(tiers=(kv.dram(4),), max_batch_chunks=3, max_lookup_chunks=5)
     with TieredStore(config) as store:
         ns = kv.namespace()
-        with pytest.raises(RequestTooLarge):
+        with pytest.raises(RequestTooLarge, match="the limit is 3"):
             store.put(ns, kv.tokens(4), kv.chunks(4))
-        with pytest.raises(RequestTooLarge):
-            store.lookup(ns, kv.tokens(4))
+        with pytest.raises(RequestTooLarge, match="the limit is 3"):
+            store.get(ns, store.keys_for(ns, kv.tokens(4)))
+        with pytest.raises(RequestTooLarge, match="6 keys in one lookup; the limit is 5"):
+            store.lookup(ns, kv.tokens(6))
         assert store.put(ns, kv.tokens(3), kv.chunks(3)) == 3
+        assert store.lookup(ns, kv.tokens(5)).num_chunks == 3
+    with pytest.raises(ConfigError, match="at most max_lookup_chunks"):
+        StoreConfig(tiers=(kv.dram(4),), max_batch_chunks=8, max_lookup_chunks=5)
+
+
+def test_a_put_from_the_parent_on_keeps_the_whole_prefix_recent(tmp_path: Path) -> None:
+    """An engine saving the blocks past its own cached prefix names only the parent of
+    the first new block and the new ones (the vLLM connector does, so a put stays one
+    batch long): the prefix counts as used as well, so under pressure another chain's
+    tail goes, not this chain's head, and the chain stays a prefix."""
+    with TieredStore(kv.config(kv.dram(8), kv.ssd(tmp_path))) as store:
+        ns = kv.namespace()
+        a = store.keys_for(ns, kv.tokens(5))
+        b = store.keys_for(ns, kv.tokens(4, start=50_000))
+        chunks = kv.chunks(5)
+        assert store.put(ns, a[:4], chunks[:4]) == 4
+        assert store.put(ns, b, kv.chunks(4, seed=1)) == 4  # DRAM is full
+        assert store.put(ns, a[3:], [None, chunks[4]]) == 1
+        dram, ssd = TierKind.DRAM, TierKind.SSD
+        assert store.locate(ns, a + b) == [dram] * 5 + [dram, dram, dram, ssd]
+        assert store.lookup(ns, a).num_chunks == 5
+        assert all(
+            got is not None and torch.equal(got.tensor(), want)
+            for got, want in zip(store.get(ns, a), chunks, strict=True)
+        )
 
 
 def test_tenants_and_models_never_share_chunks(two_level: TieredStore) -> None:

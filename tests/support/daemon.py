@@ -60,6 +60,7 @@ AUTO_TOKEN = "auto"  # token= default: a random token when TCP is on, none other
 DEFAULT_STORE_TOML = """\
 data_dir = "{data_dir}"
 max_batch_chunks = 1024
+max_lookup_chunks = 2048
 
 [tiers.dram]
 capacity = "64MiB"

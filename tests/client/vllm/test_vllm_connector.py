@@ -43,13 +43,18 @@ BLOCK = 32  # the CPU backend needs a multiple of 32
 PROMPT_TOKENS = 100  # three full blocks and a partial one
 FULL_BLOCKS = PROMPT_TOKENS // BLOCK
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# LMDB only: every read is verified, and the files can be damaged between runs.
+# LMDB only: every read is verified, and the files can be damaged between runs. A
+# put or get may name at most 2 blocks, fewer than a prompt has (as 4,096 are fewer
+# than the 7,438 16-token blocks of a 119K-token context): the connector looks a
+# prompt up in one lookup, and puts each batch of one block from its parent on.
 # Warnings raised inside these packages are theirs (see conftest.py); kvstore's stay errors.
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:::(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"
 )
 SSD_ONLY = """\
 data_dir = "{data_dir}"
+max_batch_chunks = 2
+
 
 [tiers.ssd]
 capacity = "256MiB"
@@ -96,7 +101,7 @@ def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
             kv_connector_module_path="kvstore.client.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"url": store_daemon.url},
+            kv_connector_extra_config={"url": store_daemon.url, "batch_blocks": 1},
         ),
     )
     try:
