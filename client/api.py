@@ -91,16 +91,22 @@ class KVClientAPI(KVStoreAPI, Protocol):
         self, session: str, *, prompt_tokens: int, cached_tokens: int,
         trigger: Trigger = Trigger.USER, time: float | None = None,
         idle_since: float | None = None, user: str | None = None,
+        namespace: Namespace | None = None, keys: Sequence[ChunkKey] = (),
     ) -> None:  # fmt: skip
-        """A request of ``session`` began: the predictor labels its last idle gap."""
+        """A request of ``session`` began: the predictor labels its last idle gap.
+        ``namespace`` and ``keys``: the prompt's chain, so the daemon can move the
+        session's KV, and can tell which session it continues when ``session`` is
+        ``UNNAMED`` (``kvstore.wire.events``)."""
         ...
 
     def request_finished(
         self, session: str, *, steps: int, output_tokens: int, context_tokens: int,
         loaded_tokens: int, recomputed_tokens: int, tool_running: bool = False,
-        time: float | None = None,
+        time: float | None = None, namespace: Namespace | None = None,
+        keys: Sequence[ChunkKey] = (),
     ) -> None:  # fmt: skip
-        """A request of ``session`` ended: the session goes idle, and is placed."""
+        """A request of ``session`` ended: the session goes idle, and is placed
+        (``keys``: the chain of its prompt and output)."""
         ...
 
     def client_stats(self) -> ClientStats:
@@ -146,12 +152,14 @@ class AsyncKVClientAPI(AsyncKVStoreAPI, Protocol):
         self, session: str, *, prompt_tokens: int, cached_tokens: int,
         trigger: Trigger = Trigger.USER, time: float | None = None,
         idle_since: float | None = None, user: str | None = None,
+        namespace: Namespace | None = None, keys: Sequence[ChunkKey] = (),
     ) -> None: ...  # fmt: skip
 
     async def request_finished(
         self, session: str, *, steps: int, output_tokens: int, context_tokens: int,
         loaded_tokens: int, recomputed_tokens: int, tool_running: bool = False,
-        time: float | None = None,
+        time: float | None = None, namespace: Namespace | None = None,
+        keys: Sequence[ChunkKey] = (),
     ) -> None: ...  # fmt: skip
 
     def client_stats(self) -> ClientStats: ...

@@ -71,6 +71,7 @@ from kvstore.errors import (
     ConfigError,
     KVStoreError,
     LayoutMismatch,
+    RequestTooLarge,
     TierUnavailable,
     UnknownNamespace,
 )
@@ -81,7 +82,13 @@ from kvstore.store.stats import StoreStats, TierCounters
 from kvstore.throttled_log import ThrottledLog
 from kvstore.tiers.arena_handle import ArenaHandle
 from kvstore.tiers.kinds import TierKind
-from kvstore.wire.events import RequestFinished, RequestStarted, SessionEvent, Trigger
+from kvstore.wire.events import (
+    MAX_EVENT_KEYS,
+    RequestFinished,
+    RequestStarted,
+    SessionEvent,
+    Trigger,
+)
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, Seal
 from kvstore.wire.messages import API_PREFIX, GetTransfer, namespace_to_json
 
@@ -381,17 +388,21 @@ class ClientProtocol:
         time: float | None = None,
         idle_since: float | None = None,
         user: str | None = None,
+        namespace: Namespace | None = None,
+        keys: Sequence[ChunkKey] = (),
     ) -> Operation[None]:
         """A request of ``session`` began (``kvstore.wire.events``); ``time`` defaults to now.
         ``idle_since``: when its previous request finished, if that may have been on
         another host (an engine that moves sessions between daemons knows). ``user``: who
-        drives the session, so the predictor can tell one person's sessions apart."""
+        drives the session, so the predictor can tell one person's sessions apart.
+        ``namespace``, ``keys``: the prompt's chain."""
         event = RequestStarted(
             session,
             trigger,
             prompt_tokens,
             cached_tokens,
             _now(time),
+            *_chain(namespace, keys),
             idle_since=idle_since,
             user=user,
         )
@@ -408,8 +419,11 @@ class ClientProtocol:
         recomputed_tokens: int,
         tool_running: bool = False,
         time: float | None = None,
+        namespace: Namespace | None = None,
+        keys: Sequence[ChunkKey] = (),
     ) -> Operation[None]:
-        """A request of ``session`` ended (``kvstore.wire.events``); ``time`` defaults to now."""
+        """A request of ``session`` ended (``kvstore.wire.events``); ``time`` defaults to now.
+        ``namespace``, ``keys``: the chain of its prompt and output."""
         event = RequestFinished(
             session,
             steps,
@@ -419,6 +433,7 @@ class ClientProtocol:
             loaded_tokens,
             recomputed_tokens,
             _now(time),
+            *_chain(namespace, keys),
         )
         yield from self._report(event)
 
@@ -736,3 +751,16 @@ def store_stats(data: dict[str, Any]) -> StoreStats:
 
 def _now(when: float | None) -> float:
     return time.time() if when is None else when
+
+
+def _chain(
+    namespace: Namespace | None, keys: Sequence[ChunkKey]
+) -> tuple[bytes | None, tuple[ChunkKey, ...]]:
+    """An event's chain as the wire carries it: the namespace's digest and the keys."""
+    if keys and namespace is None:
+        raise BadRequest("a session event's keys need the namespace they belong to")
+    if len(keys) > MAX_EVENT_KEYS:
+        raise RequestTooLarge(
+            f"a session event carries at most {MAX_EVENT_KEYS} keys, not {len(keys)}"
+        )
+    return (None if namespace is None else namespace.digest), tuple(keys)

@@ -37,9 +37,15 @@ fails the request instead). A request with a failed load saves nothing in
 that step. A lookup that fails answers zero tokens, a save that fails is
 logged and dropped: the store is a cache, and the engine never stops for it.
 
+Session events. The scheduler side also tells the daemon when each request
+starts and finishes, with its chain, so the daemon's return-time predictor learns
+the sessions' idle gaps and moves their KV (``client.vllm.sessions``: how a session
+is inferred, or named in ``kv_transfer_params``).
+
 Extra config keys: ``url`` (default ``$KVSTORE_URL``, else the daemon's
 default socket), ``timeout_s`` (per I/O phase, default 2), ``batch_blocks``
-(blocks per get/put, default 32).
+(blocks per get/put, default 32), ``session_events`` (default true),
+``tool_call_end_token_ids`` (default none: no request reports a running tool).
 
 Limits: one KV cache group of plain attention (no hybrid, no MLA); with
 tensor parallelism the scheduler asks rank 0's namespace and other ranks
@@ -69,6 +75,7 @@ from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.scheduler import SchedulerSide
+from kvstore.client.vllm.sessions import SessionEvents
 from kvstore.client.vllm.worker import WorkerSide
 from kvstore.errors import ConfigError
 
@@ -82,6 +89,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+
+
+def _session_events(config: Any, store: KVClient, pages: PageFormat) -> SessionEvents | None:
+    """The scheduler side's session reports as the extra config asks (None: off)."""
+    enabled = config.get_from_extra_config("session_events", True)
+    if isinstance(enabled, str):  # JSON gives a bool; a hand-written value may be a string
+        enabled = {"true": True, "false": False}.get(enabled.strip().lower(), enabled)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"session_events must be true or false, not {enabled!r}")
+    tool_call_end = config.get_from_extra_config("tool_call_end_token_ids", [])
+    if not isinstance(tool_call_end, list) or not all(
+        isinstance(token, int) and not isinstance(token, bool) for token in tool_call_end
+    ):
+        raise ConfigError(f"tool_call_end_token_ids must be a list of token ids: {tool_call_end!r}")
+    return SessionEvents(store, pages, tool_call_end) if enabled else None
 
 
 @dataclass
@@ -113,7 +135,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             pages = PageFormat.from_vllm(vllm_config, kv_cache_config, tp_rank=0)
             cache_config = vllm_config.cache_config
             hash_block_size = cache_config.hash_block_size or cache_config.block_size
-            self._scheduler = SchedulerSide(self._store, pages, int(hash_block_size))
+            events = _session_events(transfer_config, self._store, pages)
+            self._scheduler = SchedulerSide(self._store, pages, int(hash_block_size), events)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -165,6 +188,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self.worker_side.take_failed_blocks()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         self._store.close()
 
     # -- scheduler side ----------------------------------------------------------------

@@ -34,14 +34,17 @@ from support.predictor_events import (
     stats,
 )
 
+import kvstore
 from kvstore.cli import main
 from kvstore.cli.daemon_stats import format_stats
+from kvstore.errors import BadRequest
+from kvstore.keys import keys_of
 from kvstore.predictor.learning.counting import HumanGapTable, blend
 from kvstore.predictor.learning.features import feature_names, feature_vector
 from kvstore.predictor.learning.model import ReturnModel, default_prior
 from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.service import MODEL_FILE
-from kvstore.wire.events import RequestStarted, Trigger
+from kvstore.wire.events import UNNAMED, RequestStarted, Trigger
 
 STORE_TOML = """\
 data_dir = "{{data_dir}}"
@@ -264,6 +267,44 @@ def test_a_users_new_session_forecasts_their_idle_one_again_in_the_daemon(
         revised = session(client, "old")["forecast"]
         assert revised["at"] == T0 + 100  # forecast again when alice started "new"
         assert session(client, "other")["forecast"]["at"] == T0 + 10
+
+
+def test_events_that_carry_chains_find_their_session_by_the_chain(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A client that knows no session ids (the vLLM connector) sends each request's
+    chain and leaves the session ``UNNAMED``: the daemon names it after the first
+    prompt's chain, a call that extends the last one's chain continues it, and the
+    chain tells the daemon where the session's KV lies."""
+    daemon = daemon_factory(config(), daemon=OWN_CLOCK)
+    ns = kv.namespace(salt="unnamed")
+    keys = keys_of(ns, kv.tokens(6))
+    chunk = ns.layout.chunk_tokens
+
+    def call(store: kvstore.KVClient, prompt: int, output: int, at: float) -> None:
+        store.request_started(
+            UNNAMED, prompt_tokens=prompt * chunk, cached_tokens=0, time=at,
+            namespace=ns, keys=keys[:prompt],
+        )  # fmt: skip
+        store.request_finished(
+            UNNAMED, steps=1, output_tokens=output * chunk,
+            context_tokens=(prompt + output) * chunk, loaded_tokens=0,
+            recomputed_tokens=prompt * chunk, time=at + 5, namespace=ns,
+            keys=keys[: prompt + output],
+        )  # fmt: skip
+
+    with kvstore.connect(daemon.url) as store:
+        assert store.put(ns, keys, kv.chunks(6)) == 6
+        call(store, 3, 1, T0)
+        call(store, 5, 1, T0 + 65)  # the first call's prompt and output, and more
+        with pytest.raises(BadRequest, match="namespace"):
+            store.request_started(UNNAMED, prompt_tokens=1, cached_tokens=0, keys=keys[:1])
+        assert store.client_stats().events_rejected == 0
+    with daemon.client() as client:
+        stats(client, processed(4))
+        body = session(client, f"inferred-{keys[2].hex()}")
+    assert (body["requests"], body["gaps"], body["active"]) == (2, 1, False)
+    assert body["chain"]["chunks"] == 6 and "missing" not in body["chain"]["tiers"]
 
 
 def test_a_model_from_train_predictor_starts_a_daemon(

@@ -14,6 +14,7 @@ not installed, as in the main suite.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,11 @@ BLOCK = 32  # the CPU backend needs a multiple of 32
 PROMPT_TOKENS = 100  # three full blocks and a partial one
 FULL_BLOCKS = PROMPT_TOKENS // BLOCK
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# LMDB only: every read is verified, and the files can be damaged between runs. A
-# put or get may name at most 2 blocks, fewer than a prompt has (as 4,096 are fewer
-# than the 7,438 16-token blocks of a 119K-token context): the connector looks a
-# prompt up in one lookup, and puts each batch of one block from its parent on.
+# LMDB only: every read is verified, and the files can be damaged between runs. The
+# predictor is on, to see the connector's session events arrive. A put or get may
+# name at most 2 blocks, fewer than a prompt has (as 4,096 are fewer than the 7,438
+# 16-token blocks of a 119K-token context): the connector looks a prompt up in one
+# lookup, and puts each batch of one block from its parent on.
 # Warnings raised inside these packages are theirs (see conftest.py); kvstore's stay errors.
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:::(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"
@@ -58,6 +60,9 @@ max_batch_chunks = 2
 
 [tiers.ssd]
 capacity = "256MiB"
+
+[predictor]
+tick_s = 0.1
 """
 
 
@@ -116,9 +121,15 @@ def prompt(seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1, 500, PROMPT_TOKENS)]
 
 
-def generate(llm: Any, tokens: list[int]) -> tuple[list[int], int]:
+def generate(
+    llm: Any, tokens: list[int], kv_transfer_params: dict[str, Any] | None = None
+) -> tuple[list[int], int]:
     """Greedy output tokens and the tokens vLLM did not compute (its prefill start)."""
-    (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], GREEDY, use_tqdm=False)
+    params = GREEDY
+    if kv_transfer_params is not None:
+        params = GREEDY.clone()
+        params.extra_args = {"kv_transfer_params": kv_transfer_params}
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
     return list(output.outputs[0].token_ids), int(output.num_cached_tokens or 0)
 
 
@@ -204,3 +215,53 @@ def damage_stored_block(daemon: Daemon, namespace: Namespace, key: ChunkKey) -> 
     daemon.stop()
     damage_block(daemon.data_dir / "lmdb", namespace, key, offset=777)
     daemon.start()
+
+
+def test_an_agents_calls_reach_the_daemons_predictor_as_one_session(
+    llm: Any, store_daemon: Daemon, model_dir: Path
+) -> None:
+    """With no tag, the daemon infers the session from the chains the connector
+    reports: a second call that sends the first's prompt and output again, and more,
+    continues the session of the first."""
+    first = prompt(3)
+    output, _ = generate(llm, first)
+    _, cached = generate(llm, first + output + prompt(4)[:40])
+    assert cached == FULL_BLOCKS * BLOCK  # the first call's blocks, from vLLM's own cache
+
+    _, keys = vllm_keys(model_dir, first)
+    body = session_once_idle(store_daemon, f"inferred-{keys[-1].hex()}", requests=2)
+    assert body["user"] is None and body["gaps"] == 1
+    assert body["chain"] is not None  # the daemon knows where its KV lies
+
+
+def test_a_request_tagged_in_kv_transfer_params_is_the_session_and_user_it_names(
+    llm: Any, store_daemon: Daemon, model_dir: Path
+) -> None:
+    tag = {"session": "chat-7", "user": "alice", "trigger": "user"}
+    first = prompt(5)
+    output, _ = generate(llm, first, {"kvstore": tag})
+    generate(llm, first + output + prompt(6)[:40], {"kvstore": {**tag, "trigger": "tool"}})
+    body = session_once_idle(store_daemon, "chat-7", requests=2)
+    assert body["user"] == "alice" and body["gaps"] == 1
+
+    # A malformed tag is ignored, never a failed request: the same tokens as untagged,
+    # and the request reported as if it had none (its session inferred).
+    again = prompt(8)
+    bad = {"kvstore": {"session": 7, "colour": "red"}}
+    assert generate(llm, again, bad)[0] == generate(llm, again)[0]
+    _, keys = vllm_keys(model_dir, again)
+    session_once_idle(store_daemon, f"inferred-{keys[-1].hex()}", requests=2)
+
+
+def session_once_idle(daemon: Daemon, name: str, requests: int) -> dict[str, Any]:
+    """``/v1/sessions/{name}`` once the daemon has seen ``requests`` of it and it is
+    idle again (events are queued, and worked off by the predictor's thread)."""
+    deadline = time.monotonic() + 20.0
+    with daemon.client() as client:
+        while True:
+            response = client.get(f"/v1/sessions/{name}")
+            body = response.json() if response.status_code == 200 else {}
+            if body.get("requests") == requests and body.get("active") is False:
+                return body
+            assert time.monotonic() < deadline, (response.status_code, body)
+            time.sleep(0.05)
