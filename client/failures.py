@@ -26,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 
 from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.wire.codes import exception_from_body
+
+T = TypeVar("T")
 
 DAEMON = "daemon"
 
@@ -65,6 +68,14 @@ class ClientStats:
 
 def unavailable(detail: str) -> TierUnavailable:
     return TierUnavailable(DAEMON, detail)
+
+
+def answer_field(body: Any, name: str, kind: type[T]) -> T:
+    """``body[name]``, which must be a ``kind``; a daemon that answers otherwise is broken."""
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise unavailable(f"malformed response: no {kind.__name__} {name!r} in {body!r:.200}")
+    return value
 
 
 def from_transport(error: httpx.HTTPError) -> TierUnavailable:

@@ -55,17 +55,14 @@ import numpy as np
 from kvstore.client.blocks import (
     DEFAULT_VERIFY,
     FramesSink,
-    LeasedBlock,
     Received,
     Verify,
-    copy_leased,
     tier_of,
 )
 from kvstore.client.buffers import BufferPool
-from kvstore.client.device import HBMArena, copy_device
-from kvstore.client.failures import ClientStats, from_reply, unavailable
+from kvstore.client.failures import ClientStats, answer_field, from_reply, unavailable
+from kvstore.client.leased_copy import LeasedCopier
 from kvstore.client.put_body import PutBody
-from kvstore.client.shm import SharedArena
 from kvstore.errors import (
     BadRequest,
     ConfigError,
@@ -80,8 +77,6 @@ from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
 from kvstore.store.out_buffers import OutBuffers, host_arrays
 from kvstore.store.stats import StoreStats, TierCounters
 from kvstore.throttled_log import ThrottledLog
-from kvstore.tiers.arena_handle import ArenaHandle
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import (
     MAX_EVENT_KEYS,
     RequestFinished,
@@ -261,29 +256,25 @@ class ClientProtocol:
         # How this client's puts carry their checksums: the best the daemon listed
         # registering a namespace (``put_seals``), in the header until it says.
         self._seal = Seal.HEADER
-        self._arena: SharedArena | None = None
-        self.device_memory = True
-        self._hbm: HBMArena | None = None
         self._down_until = 0.0
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
         # One worker, so each get's blocks are verified in order, one at a time.
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-verify")
         self._buffers = BufferPool(BUFFER_POOL_BYTES)
+        self._leased = LeasedCopier(self.verify, self._buffers)
         self._finished = FinishedLeases()
 
     def client_stats(self) -> ClientStats:
         with self._lock:
             return self._stats.snapshot()
 
+    @property
+    def device_memory(self) -> bool:
+        """Whether shared-memory gets into tensors still ask for HBM blocks."""
+        return self._leased.device_memory
+
     def close(self) -> None:
-        self._copier.shutdown(wait=True)
         self._verifier.shutdown(wait=True)
-        arena, self._arena = self._arena, None
-        if arena is not None:
-            arena.close()
-        hbm, self._hbm = self._hbm, None
-        if hbm is not None:
-            hbm.close()
+        self._leased.close()
 
     # -- operations ---------------------------------------------------------
 
@@ -296,8 +287,8 @@ class ClientProtocol:
         request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
         try:
             body = yield from self._namespaced(namespace, lambda: _post("/lookup", request))
-            run = _field(body, "num_chunks", int)
-            tiers = tuple(tier_of(label) for label in _field(body, "tiers", list))
+            run = answer_field(body, "num_chunks", int)
+            tiers = tuple(tier_of(label) for label in answer_field(body, "tiers", list))
             load = body.get("load_chunks")  # None: all of them (and from older daemons)
             if not 0 <= run <= len(keys) or len(tiers) != run or not _load_ok(load, run):
                 raise unavailable(f"malformed lookup answer {body!r}")
@@ -332,7 +323,7 @@ class ClientProtocol:
 
         try:
             answer = yield from self._namespaced(namespace, put_call)
-            return _field(answer, "stored", int)
+            return answer_field(answer, "stored", int)
         except TierUnavailable:
             with self._lock:
                 self._stats.puts_dropped += 1
@@ -371,12 +362,12 @@ class ClientProtocol:
             return 0
         request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
         answer = yield from self._namespaced(namespace, lambda: _post("/delete", request))
-        return _field(answer, "deleted", int)
+        return answer_field(answer, "deleted", int)
 
     def stats(self) -> Operation[StoreStats]:
         """The daemon's store counters; raises ``TierUnavailable`` if it cannot answer."""
         answer = yield from self._send(Call("GET", f"{API_PREFIX}/stats"))
-        return store_stats(_field(answer, "store", dict))
+        return store_stats(answer_field(answer, "store", dict))
 
     def request_started(
         self,
@@ -478,9 +469,9 @@ class ClientProtocol:
         out of the mapped arenas, release the lease (without waiting for the answer),
         then fetch the blocks held elsewhere, or that could not be copied, as bytes."""
         out = host_arrays(buffers)
-        if self._arena is None:
+        if self._leased.arena is None:
             yield from self._map_arena()
-            if self._arena is None:  # nothing to map: bytes from now on
+            if self._leased.arena is None:  # nothing to map: bytes from now on
                 self.shm = False
                 return (yield from self._get_bytes(namespace, keys, out))
         request = _get_request(namespace, keys, GetTransfer.SHM, self._finished.take())
@@ -490,7 +481,10 @@ class ClientProtocol:
             request["device_memory"] = True
         lease = yield from self._namespaced(namespace, lambda: _post("/get", request))
         try:
-            received = self._copy_leased(lease, namespace, keys, buffers)
+            received, fallbacks = self._leased.copy(lease, namespace, keys, buffers)
+            if fallbacks:
+                with self._lock:
+                    self._stats.device_fallbacks += fallbacks
         finally:
             # No yield above, so this release cannot run while the operation is
             # being closed; a lease never released expires on the daemon.
@@ -505,93 +499,15 @@ class ClientProtocol:
             received.corrupt += fetched.corrupt
         return received
 
-    def _copy_leased(
-        self, lease: Any, namespace: Namespace, keys: list[ChunkKey], buffers: OutBuffers | None
-    ) -> Received:
-        name = _field(lease, "shm", str)
-        arena = self._arena
-        if arena is None or arena.name != name:  # the daemon restarted: a new segment
-            arena = self._open_arena(name)
-        entries = [LeasedBlock.parse(entry) for entry in _field(lease, "blocks", list)]
-        on_device = [
-            (index, entry)
-            for index, entry in enumerate(entries)
-            if entry.tier is TierKind.HBM and not entry.inline
-        ]
-        copied: list[int] = []
-        if on_device:
-            fallen = set(self._copy_device(lease, namespace, keys, on_device, buffers))
-            copied = [index for index, _ in on_device if index not in fallen]
-            for index, _ in on_device:  # left to copy_leased: inline, or done already
-                entries[index] = LeasedBlock(None, None, None, inline=index in fallen)
-        out = host_arrays(buffers)
-        received = copy_leased(
-            arena, namespace, keys, entries, out, self._buffers, self._copier, self.verify
-        )
-        for index in copied:
-            assert buffers is not None
-            received.chunks[index] = buffers.landed(
-                index, keys[index], TierKind.HBM, namespace.layout
-            )
-        return received
-
-    def _copy_device(
-        self,
-        lease: Any,
-        namespace: Namespace,
-        keys: list[ChunkKey],
-        on_device: list[tuple[int, LeasedBlock]],
-        buffers: OutBuffers | None,
-    ) -> list[int]:
-        """Copy the leased HBM blocks into the ``out=`` tensors (``client.device``); the
-        positions to fetch as bytes instead, every one of them if the arena does not
-        open."""
-        try:
-            handle = ArenaHandle.from_json(lease.get("hbm"))
-        except ValueError as error:
-            raise unavailable(f"malformed lease: {error}") from None
-        arena = self._hbm
-        if arena is None or arena.handle != handle:
-            arena = self._open_hbm(handle)
-        fallen = [index for index, _ in on_device]
-        tensors = None if buffers is None else buffers.tensors
-        if arena is not None and tensors is not None:
-            fallen = copy_device(arena, namespace, keys, on_device, tensors)
-        with self._lock:
-            self._stats.device_fallbacks += len(fallen)
-        return fallen
-
-    def _open_hbm(self, handle: ArenaHandle) -> HBMArena | None:
-        """Open the daemon's HBM arena, or stop asking for device memory for good."""
-        try:
-            arena = HBMArena.open(handle)
-        except (OSError, ValueError, RuntimeError) as error:
-            log.warning("getting HBM blocks as bytes: cannot open the daemon's arena: %s", error)
-            self.device_memory = False
-            return None
-        # As with the DRAM mapping, the arena replaced is left to its last reference.
-        self._hbm = arena
-        return arena
-
     def _map_arena(self) -> Operation[None]:
         reply = yield from self._exchange(Call("GET", f"{API_PREFIX}/shm"))
         if reply.status == 404:
             log.info("the daemon has no DRAM arena to share; getting blocks as bytes")
             return
         try:
-            self._open_arena(_field(_checked(reply), "name", str))
+            self._leased.open_arena(answer_field(_checked(reply), "name", str))
         except TierUnavailable as error:  # e.g. another /dev/shm (a container)
             log.warning("getting blocks as bytes: %s", error)
-
-    def _open_arena(self, name: str) -> SharedArena:
-        try:
-            arena = SharedArena(name)
-        except (OSError, ValueError) as error:
-            raise unavailable(f"cannot map the daemon's arena {name!r}: {error}") from None
-        # The mapping it replaces is not closed here: another thread may still be
-        # copying out of it. It is unmapped when its last reference goes.
-        self._arena = arena
-        return arena
 
     def _release(self, lease: Any) -> Operation[None]:
         """Give a lease back; the get does not wait for the answer (the copy is done).
@@ -638,7 +554,7 @@ class ClientProtocol:
 
     def _register(self, namespace: Namespace) -> Operation[None]:
         answer = yield from self._send(_post("/namespaces", namespace_to_json(namespace)))
-        digest = _field(answer, "namespace", str)
+        digest = answer_field(answer, "namespace", str)
         if digest != namespace.digest.hex():
             raise KVStoreError(
                 f"the daemon names namespace {namespace.model!r} {digest}, this client "
@@ -714,14 +630,6 @@ def _checked(reply: Reply) -> Any:
         return json.loads(reply.content)
     except ValueError:
         raise unavailable("malformed response: not JSON") from None
-
-
-def _field(body: Any, name: str, kind: type[T]) -> T:
-    """``body[name]``, which must be a ``kind``; a daemon that answers otherwise is broken."""
-    value = body.get(name) if isinstance(body, dict) else None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise unavailable(f"malformed response: no {kind.__name__} {name!r} in {body!r:.200}")
-    return value
 
 
 def _load_ok(load: Any, run: int) -> bool:
