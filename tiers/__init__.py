@@ -13,6 +13,7 @@
     lmdb_tier.py    local SSD through one LMDB environment
     redis_tier.py   Redis or Redis Cluster, the tier shared between hosts
     redis_access.py how the Redis tier reaches its server: addresses, AUTH/ACL, TLS
+    redis_routing.py how one batch reaches each master of a Redis Cluster
     local_redis.py  private redis-server processes (the replay's, the benchmarks', the tests')
 
 A tier neither chooses what to evict nor knows about prefixes: that is the

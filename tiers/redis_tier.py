@@ -30,33 +30,32 @@ way), and the pipeline also works across cluster slots and reports a bad value
 per key instead of failing the whole batch.
 
 Failure model. Redis is the slowest tier and may be remote, so it must never
-make a request hang: connect and socket timeouts are always set, the pool
-waits a bounded time for a free connection, and a command is retried at most
-once, and only after a connection error (a stale pooled socket after a server
-restart), never after a timeout. A down or slow Redis therefore costs at most
-about ``connect_timeout_s + socket_timeout_s`` and surfaces as
-``TierUnavailable``, which the store turns into a miss (a recompute) rather
-than an error. In a cluster a master that is down, hung or answering
-``CLUSTERDOWN`` fails only its share of a batch, in about the same time (a
-hung master: one socket timeout, plus one more if redis-py refreshes its slot
-map from it; see ``_run_cluster`` for the redis-py pipeline behaviour this
+make a request hang: connect and socket timeouts are always set, the pool waits
+a bounded time for a free connection, and a command is retried at most once, and
+only after a connection error (a stale pooled socket after a server restart),
+never after a timeout. A down or slow Redis therefore costs at most about
+``connect_timeout_s + socket_timeout_s`` and surfaces as ``TierUnavailable``,
+which the store turns into a miss (a recompute) rather than an error. In a
+cluster a master that is down, hung or answering ``CLUSTERDOWN`` fails only its
+share of a batch, in about the same time (a hung master: one socket timeout,
+plus one more if redis-py refreshes its slot map from it; ``redis_routing`` has
+how a batch reaches each master, and the redis-py pipeline behaviour that
 avoids): its keys are misses (``get_many``, ``contains_many``), not stored
 (``put_many`` stores and accounts the rest, then raises ``TierRefused`` naming
 the master) or not deleted, while the other masters' keys are served as usual.
 The failure opens that master's breaker (``kvstore.breaker``): until a PING on
-the breaker's own thread finds it back, its share of every batch is answered
-at once, without a round trip, so a hung master costs one timeout per outage,
-not one per batch. It is counted once per master per failed batch
+the breaker's own thread finds it back, its share of every batch is answered at
+once, without a round trip, so a hung master costs one timeout per outage, not
+one per batch. It is counted once per master per failed batch
 (``node_failures``) and logged once when the master stops answering and once
-when it is back. Only when no master of the cluster answers does a batch
-raise, and the tier's own breaker takes over. After ``cluster-node-timeout``
-the healthy masters of a cluster without replicas answer ``CLUSTERDOWN`` to
+when it is back. Only when no master of the cluster answers does a batch raise,
+and the tier's own breaker takes over. After ``cluster-node-timeout`` the
+healthy masters of a cluster without replicas answer ``CLUSTERDOWN`` to
 everything unless it runs with ``cluster-require-full-coverage no``. The same
-client reconnects by itself once Redis is back. ``-OOM`` replies
-(``maxmemory`` with ``noeviction``) become ``TierFull``. A refused login
-(wrong password or user, no password) is not a down master: it fails the whole
-batch, saying so. All redis-py exceptions are translated here and nowhere
-else.
+client reconnects by itself once Redis is back. ``-OOM`` replies (``maxmemory``
+with ``noeviction``) become ``TierFull``. A refused login (wrong password or
+user, no password) is not a down master: it fails the whole batch, saying so.
+All redis-py exceptions are translated here and nowhere else.
 
 Credentials and TLS (``RedisAccess``, ``kvstore.tiers.redis_access``) are the
 same for every node; redis-py hands them to each master it discovers.
@@ -81,20 +80,19 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.cluster
 import redis.exceptions
 from redis.backoff import NoBackoff
-from redis.cluster import PipelineCommand
 from redis.retry import Retry
 
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
+from kvstore.tiers import redis_routing
 from kvstore.tiers.base import BlockDestination, Buffer, ServerMemory, StoredBlockInfo, scatter
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.redis_access import RedisAccess, host_port, split_url
@@ -152,190 +150,6 @@ def _backend_errors(operation: str) -> Iterator[None]:
     except redis.exceptions.RedisClusterException as error:
         # Not a RedisError: raised when no node of the cluster can be reached.
         raise _unavailable(operation, error) from error
-
-
-_REDIRECTIONS = (
-    redis.exceptions.MovedError,
-    redis.exceptions.AskError,
-    redis.exceptions.TryAgainError,
-)
-
-
-def _run_cluster(
-    client: redis.cluster.RedisCluster, commands: Sequence[tuple[Any, ...]]
-) -> list[Any]:
-    """One cluster pipeline pass without redirections, then one pass for the redirected.
-
-    ``ClusterPipeline.execute`` re-sends every command that failed with a
-    timeout or connection error *one at a time*, each with its own timeout:
-    against a hung master, a batch took about (its keys on that master) x
-    the socket timeout (measured: 33 s for 90 keys over 3 masters at 0.5 s).
-    The first pass here
-    disables that (``allow_redirections=False``), so a hung or dead master
-    costs one timeout and surfaces as an error result. Only the commands
-    answered with ``MOVED``/``ASK``/``TRYAGAIN`` (a resharding or failover in
-    progress; the node answered, so this is fast) go through the second pass,
-    where redis-py follows the redirection and updates its slot map.
-    ``send_cluster_commands`` and ``PipelineCommand`` are redis-py names without
-    a leading underscore but undocumented; the cluster tests (hung master,
-    ``ASK``/``MOVED`` during a slot migration) pin the behaviour relied on.
-    """
-    results = _cluster_pass(client, commands, allow_redirections=False)
-    return _follow_redirections(client, commands, results)
-
-
-def _cluster_pass(
-    client: redis.cluster.RedisCluster,
-    commands: Sequence[tuple[Any, ...]],
-    *,
-    allow_redirections: bool,
-) -> list[Any]:
-    """``commands`` through one redis-py cluster pipeline, errors as results."""
-    pipe = client.pipeline(transaction=False)
-    try:
-        stack = [PipelineCommand(command, {}, i) for i, command in enumerate(commands)]
-        return list(
-            pipe.send_cluster_commands(
-                stack, raise_on_error=False, allow_redirections=allow_redirections
-            )
-        )
-    finally:
-        pipe.reset()
-
-
-def _follow_redirections(
-    client: redis.cluster.RedisCluster, commands: Sequence[tuple[Any, ...]], results: list[Any]
-) -> list[Any]:
-    """``results`` with every ``MOVED``/``ASK``/``TRYAGAIN`` answer replaced by the answer
-    of a cluster pass that follows the redirection (and corrects the slot map)."""
-    redirected = [i for i, result in enumerate(results) if isinstance(result, _REDIRECTIONS)]
-    if redirected:
-        answers = _cluster_pass(client, [commands[i] for i in redirected], allow_redirections=True)
-        for i, answer in zip(redirected, answers, strict=True):
-            results[i] = answer
-    return results
-
-
-# A node that raised or answered one of these did not serve its share of a batch:
-# down (connection refused), hung (timeout) or cut off by the cluster (CLUSTERDOWN).
-_NODE_DOWN: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.RedisClusterException,
-)
-# ...except these ConnectionErrors: a node that refuses our credentials is not down,
-# the tier is misconfigured, and that fails the batch whatever the other nodes say.
-_REFUSED: tuple[type[BaseException], ...] = (
-    redis.exceptions.AuthenticationError,
-    redis.exceptions.AuthorizationError,
-)
-
-
-# A connection that timed out or broke: after a hang or a half-open link every pooled
-# socket to that server is suspect, and each would cost a timeout (its breaker's probe
-# included) before redis-py dropped it, so all of them are dropped at once.
-_LINK_LOST: tuple[type[BaseException], ...] = (
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ConnectionError,
-)
-
-
-def _send_share(
-    client: redis.cluster.RedisCluster, node: str, share: Sequence[tuple[Any, ...]]
-) -> list[Any]:
-    """One master's share of a batch; a master that is down or hung answers its error
-    for every command. A refused login raises.
-
-    The share goes as a plain pipeline on that master's own connection, the slot
-    map having routed it already (``_shares``): redis-py's cluster pipeline routes
-    and parses every command again, which measured 2.7 ms for 128 ``EXISTS`` on
-    three loopback masters against 0.9 ms this way. Only what comes back
-    ``MOVED``/``ASK``/``TRYAGAIN`` (a resharding or failover) goes through a
-    cluster pass that follows redirections and corrects the map."""
-    try:
-        master = _node_client(client, node)
-        if master is None:  # a slot no master serves: redis-py reports it per command
-            return _run_cluster(client, share)
-        pipe = master.pipeline(transaction=False)
-        try:
-            for command in share:
-                pipe.execute_command(*command)
-            results = list(pipe.execute(raise_on_error=False))
-        finally:
-            pipe.reset()
-        return _follow_redirections(client, share, results)
-    except _NODE_DOWN as error:
-        if isinstance(error, _REFUSED):
-            raise
-        return [error] * len(share)
-
-
-def _drop_connections(client: redis.Redis) -> None:
-    """Close every pooled connection of ``client``; the next call opens a fresh one."""
-    client.connection_pool.disconnect()
-
-
-def _node_client(client: redis.cluster.RedisCluster, node: str) -> redis.Redis | None:
-    """The client of master ``node`` (``host:port``), if the slot map knows it."""
-    host, _, port = node.rpartition(":")
-    found = client.get_node(host=host, port=int(port))
-    return None if found is None else found.redis_connection
-
-
-def _drop_node_connections(client: redis.cluster.RedisCluster, node: str) -> None:
-    """``_drop_connections`` for one master of a cluster (``host:port``)."""
-    master = _node_client(client, node)
-    if master is not None:
-        _drop_connections(master)
-
-
-def _is_node_down(result: object) -> bool:
-    return isinstance(result, _NODE_DOWN) and not isinstance(result, _REFUSED)
-
-
-def _ping(client: redis.cluster.RedisCluster, node: str) -> None:
-    """The probe of master ``node``'s breaker (``host:port``): PING it; if it does not
-    answer, read the slot map again, and succeed if ``node`` is no longer a master
-    there: its replica was promoted and serves its slots, so batches are split over
-    the new master and this breaker has nothing left to guard. Raises otherwise.
-
-    Without the refresh nothing would ever learn of the failover: while the breaker
-    is open, the node's share of a batch is answered without a round trip, so no
-    ``MOVED`` reply comes back to make redis-py read the map again."""
-    try:
-        master = _node_client(client, node)
-        if master is None:
-            raise redis.exceptions.ConnectionError(f"{node} is not in the slot map")
-        master.ping()
-    except redis.exceptions.RedisError:
-        with contextlib.suppress(redis.exceptions.RedisError):
-            client.nodes_manager.initialize()
-        if any(primary.name == node for primary in client.get_primaries()):
-            raise
-
-
-@dataclass(frozen=True, slots=True)
-class _Unreached:
-    """The result of a command whose node did not answer: a miss or a failed put, never
-    a value. ``node`` is the master's ``host:port``."""
-
-    node: str
-
-
-def _shares(
-    client: redis.cluster.RedisCluster, commands: Sequence[tuple[Any, ...]]
-) -> dict[str, list[int]]:
-    """The positions of ``commands``, grouped by the master that owns each one's key
-    (the client's slot map; a stale map is corrected by ``MOVED`` in ``_run_cluster``)."""
-    shares: dict[str, list[int]] = {}
-    for i, command in enumerate(commands):
-        try:
-            node = client.get_node_from_key(command[1]).name
-        except redis.exceptions.SlotNotCoveredError:
-            node = "(no master)"  # sent anyway; redis-py fails it, as a share of its own
-        shares.setdefault(node, []).append(i)
-    return shares
 
 
 class RedisTier:
@@ -470,8 +284,8 @@ class RedisTier:
                 for command in commands:
                     pipe.execute_command(*command)
                 return list(pipe.execute(raise_on_error=False))
-            except _LINK_LOST:
-                _drop_connections(client)
+            except redis_routing.LINK_LOST:
+                redis_routing.drop_connections(client)
                 raise
             finally:
                 pipe.reset()
@@ -482,8 +296,8 @@ class RedisTier:
         """``commands`` split by master, one pipelined round trip per master's share.
 
         A master that is down or hung fails only its share: those results are
-        ``_Unreached``, and the rest of the batch is served. Its failure opens its
-        breaker: while open, its shares are ``_Unreached`` at once, without a round
+        ``redis_routing.Unreached``, and the rest of the batch is served. Its failure opens its
+        breaker: while open, its shares are ``redis_routing.Unreached`` at once, without a round
         trip, until a probe (PING, on the breaker's thread) finds it answering. Only
         when no master of the cluster answers does the batch raise, as a standalone
         Redis that is down does (and the tier's own breaker takes over). A refused
@@ -497,24 +311,24 @@ class RedisTier:
         answered = 0
         failed: dict[str, BaseException] = {}
         asked: dict[str, list[int]] = {}
-        for node, positions in _shares(client, commands).items():
+        for node, positions in redis_routing.shares(client, commands).items():
             if self._breaker(client, node).allow():
                 asked[node] = positions
             else:
                 for i in positions:
-                    results[i] = _Unreached(node)
+                    results[i] = redis_routing.Unreached(node)
         shares = {node: [commands[i] for i in positions] for node, positions in asked.items()}
         for node, answers in self._send_shares(client, shares).items():
             positions = asked[node]
             breaker = self._breaker(client, node)
-            if any(isinstance(answer, _LINK_LOST) for answer in answers):
-                _drop_node_connections(client, node)
+            if any(isinstance(answer, redis_routing.LINK_LOST) for answer in answers):
+                redis_routing.drop_node_connections(client, node)
             for i, answer in zip(positions, answers, strict=True):
-                if isinstance(answer, _REFUSED):
+                if isinstance(answer, redis_routing.REFUSED):
                     raise answer
-                if _is_node_down(answer):
+                if redis_routing.is_node_down(answer):
                     failed.setdefault(node, answer)
-                    answer = _Unreached(node)
+                    answer = redis_routing.Unreached(node)
                 results[i] = answer
             if node in failed:
                 breaker.failed()
@@ -529,9 +343,12 @@ class RedisTier:
     def _send_shares(
         self, client: redis.cluster.RedisCluster, shares: dict[str, list[tuple[Any, ...]]]
     ) -> dict[str, list[Any]]:
-        """Each master's share sent at once (``_send_share``), answers by master."""
+        """Each master's share sent at once (``redis_routing.send_share``), answers by master."""
         if len(shares) <= 1:
-            return {node: _send_share(client, node, share) for node, share in shares.items()}
+            return {
+                node: redis_routing.send_share(client, node, share)
+                for node, share in shares.items()
+            }
         with self._lock:
             if self._closed:
                 raise TierUnavailable(_TIER, "tier is closed")
@@ -541,7 +358,8 @@ class RedisTier:
                 )
             fan_out = self._fan_out
         futures = {
-            node: fan_out.submit(_send_share, client, node, share) for node, share in shares.items()
+            node: fan_out.submit(redis_routing.send_share, client, node, share)
+            for node, share in shares.items()
         }
         return {node: future.result() for node, future in futures.items()}
 
@@ -551,7 +369,9 @@ class RedisTier:
             breaker = self._breakers.get(node)
             if breaker is None:
                 breaker = self._breakers[node] = CircuitBreaker(
-                    f"redis master {node}", lambda: _ping(client, node), self._breaker_config
+                    f"redis master {node}",
+                    lambda: redis_routing.ping(client, node),
+                    self._breaker_config,
                 )
             return breaker
 
@@ -598,10 +418,10 @@ class RedisTier:
         ]
         results = self._run("put_many", commands)
         refused: BaseException | None = None
-        unreached: list[_Unreached] = []
+        unreached: list[redis_routing.Unreached] = []
         with self._lock:
             for redis_key, (_, block), result in zip(redis_keys, items, results, strict=True):
-                if isinstance(result, _Unreached):
+                if isinstance(result, redis_routing.Unreached):
                     unreached.append(result)
                     continue
                 if isinstance(result, BaseException):
@@ -631,7 +451,7 @@ class RedisTier:
         values: list[Buffer | None] = []
         gone: list[bytes] = []
         for redis_key, result in zip(redis_keys, results, strict=True):
-            if isinstance(result, _Unreached):
+            if isinstance(result, redis_routing.Unreached):
                 values.append(None)  # its master is down: a miss, still accounted
                 continue
             if _is_wrong_type(result):
@@ -671,7 +491,9 @@ class RedisTier:
                     raise result
         gone = [rk for rk, result in zip(redis_keys, results, strict=True) if result == 0]
         self._forget(gone)  # an unreached master's keys are not known to be gone
-        return [not isinstance(result, _Unreached) and bool(result) for result in results]
+        return [
+            not isinstance(result, redis_routing.Unreached) and bool(result) for result in results
+        ]
 
     def delete_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> int:
         """Pipelined ``DEL``; the count is what Redis reports it removed."""
@@ -721,7 +543,9 @@ class RedisTier:
         results = self._run("scan", commands)
         for index, (_, namespace, key) in enumerate(parsed):
             nbytes, header = results[2 * index], results[2 * index + 1]
-            if isinstance(nbytes, _Unreached) or isinstance(header, _Unreached):
+            if isinstance(nbytes, redis_routing.Unreached) or isinstance(
+                header, redis_routing.Unreached
+            ):
                 continue  # its master went away between the SCAN and now
             if _is_wrong_type(nbytes) or _is_wrong_type(header):
                 continue  # a foreign value type under our prefix
@@ -770,7 +594,7 @@ class RedisTier:
                 masters = client.get_primaries()
                 infos = []
                 for node in masters:
-                    node_client = _node_client(client, node.name)
+                    node_client = redis_routing.node_client(client, node.name)
                     if node_client is None or not self._breaker(client, node.name).allow():
                         continue
                     with contextlib.suppress(redis.exceptions.RedisError):
