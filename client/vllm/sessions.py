@@ -27,7 +27,7 @@ rank 0's namespace):
 The scheduler's loop only stamps an event with the time and queues it: one thread
 of its own sends the events in order (a 119K-token context's event carries 7,438
 keys, about as long to send as the lookup). A full queue (``QUEUE_EVENTS``) drops
-the event and counts it in ``dropped``; a failed send is counted by the client
+the event, with a warning at most once a minute; a failed send is counted by the client
 (``ClientStats``) and dropped. Nothing is raised into vLLM. ``session_events =
 false`` in the extra config turns them off.
 """
@@ -125,7 +125,6 @@ class SessionEvents:
         self._queue: queue.Queue[_Report | None] = queue.Queue(QUEUE_EVENTS)
         self._sender = threading.Thread(target=self._send_all, name="kvstore-events", daemon=True)
         self._sender.start()
-        self.dropped = 0  # events the full queue turned away
 
     def started(
         self, request: Any, keys: Sequence[ChunkKey], local_tokens: int, external_tokens: int
@@ -193,7 +192,6 @@ class SessionEvents:
         try:
             self._queue.put_nowait(_Report(report, session, {**fields, "time": time.time()}))
         except queue.Full:
-            self.dropped += 1
             self._full.warning("kvstore session events dropped: %d queued", QUEUE_EVENTS)
 
     def _send_all(self) -> None:
