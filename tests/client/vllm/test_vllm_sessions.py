@@ -1,13 +1,28 @@
-"""How a request's ``kv_transfer_params`` tag and its output become session events
-(no vLLM needed; ``test_vllm_connector`` sees them reach a daemon through vLLM)."""
+"""How a request's ``kv_transfer_params`` tag and its output become session events,
+and how they are sent, against a real daemon (no vLLM needed;
+``test_vllm_connector`` sees them reach a daemon through vLLM)."""
 
 from __future__ import annotations
 
+import hashlib
+import signal
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support.daemon import Daemon
 
-from kvstore.client.vllm.sessions import SessionTag, session_tag, waits_on_tool
+import kvstore
+from kvstore.client.vllm.pages import PageFormat
+from kvstore.client.vllm.sessions import (
+    CLOSE_WAIT_S,
+    SessionEvents,
+    SessionTag,
+    session_tag,
+    waits_on_tool,
+)
 from kvstore.wire.events import MAX_SESSION_CHARS, UNNAMED, Trigger
 
 
@@ -44,3 +59,74 @@ def test_an_output_ending_in_a_tool_calls_end_token_waits_on_the_tool() -> None:
     assert not waits_on_tool([5, eom, eot], {eom})  # only how the output ended counts
     assert not waits_on_tool([], {eom})
     assert not waits_on_tool([5, 6, eom], ())  # none configured: never
+
+
+PAGES = PageFormat(
+    model="events@main",
+    layer_names=("layers.0.attn",),
+    num_kv_heads=1,
+    head_size=64,
+    dtype="float32",
+    block_size=16,
+)
+CALLS = 50  # an agent's calls, each extending the last one's chain by a block
+KEYS = PAGES.keys(None, [hashlib.sha256(bytes([i])).digest() for i in range(CALLS + 3)])
+
+
+def request(name: str, prompt_blocks: int, session: str) -> SimpleNamespace:
+    """What ``SessionEvents`` reads of a vLLM ``Request``: a prompt, an output of one
+    block, its tag."""
+    return SimpleNamespace(
+        request_id=name,
+        num_prompt_tokens=prompt_blocks * 16,
+        num_tokens=(prompt_blocks + 1) * 16,
+        output_token_ids=list(range(16)),
+        cache_salt=None,
+        kv_transfer_params={"kvstore": {"session": session}},
+    )
+
+
+def test_events_go_out_in_order_and_close_sends_what_is_still_queued(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    daemon = daemon_factory()
+    with kvstore.connect(daemon.url) as client:
+        events = SessionEvents(client, PAGES)
+        for i in range(CALLS):
+            call = request(f"r{i}", i + 2, "agent-1")
+            events.started(call, KEYS[: i + 2], local_tokens=0, external_tokens=0)
+            events.finished(call, KEYS[: i + 3])
+        events.close()
+        with daemon.client() as http:  # every event was received by the time close returns
+            assert http.get("/v1/stats").json()["daemon"]["events_received"] == 2 * CALLS
+    with daemon.client() as http:
+        deadline = time.monotonic() + 20.0
+        while (body := http.get("/v1/sessions/agent-1").json()).get("requests") != CALLS:
+            assert time.monotonic() < deadline, body
+            time.sleep(0.05)
+    assert (body["active"], body["gaps"], body["chain"]["chunks"]) == (False, CALLS - 1, CALLS + 2)
+
+
+def test_closing_over_a_daemon_that_does_not_answer_is_bounded(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """SIGSTOP: the sender hangs in its first send until the client's timeout; vLLM's
+    shutdown waits for it at most ``CLOSE_WAIT_S``, and the scheduler's loop never."""
+    daemon = daemon_factory()
+    assert daemon.proc is not None
+    with kvstore.connect(daemon.url, timeout_s=10.0) as client:
+        events = SessionEvents(client, PAGES)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            for name in ("r1", "r2", "r3"):
+                call = request(name, 3, "stuck")
+                events.started(call, KEYS[:3], local_tokens=0, external_tokens=0)
+                events.finished(call, KEYS[:4])
+            queued = time.monotonic() - began
+            events.close()
+            closed = time.monotonic() - began
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+    assert queued < 1.0  # six events queued, none sent on this thread
+    assert closed < 2 * CLOSE_WAIT_S + 1.0
