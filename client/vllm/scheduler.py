@@ -117,9 +117,11 @@ class SchedulerSide:
         req_id = request.request_id
         self._tracked[req_id] = _Tracked(request, list(block_ids))
         self._loads.pop(req_id, None)
-        hashes = self.block_hashes(request)
         local = self._local.get(req_id, 0)
         size = self._pages.block_size
+        if self._events is None and num_external_tokens <= 0:
+            return
+        hashes = self.block_hashes(request)
         if self._events is not None:
             prompt = self.keys(request, hashes[: request.num_prompt_tokens // size])
             self._events.started(request, prompt, local, max(0, num_external_tokens))

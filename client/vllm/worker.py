@@ -121,20 +121,19 @@ class WorkerSide:
             if transfer.req_id in self.failed_requests:
                 continue
             namespace = self._pages.namespace(transfer.salt)
-            # From the parent of the first new block on: the parent link is all the
-            # store needs of the prefix, so a put stays one batch long (and only its
-            # keys are derived) however deep in a long context it lands.
-            head = max(0, transfer.first - 1)
-            keys = self._pages.keys(transfer.salt, transfer.hashes[head:])
+            # Each put names its batch from the parent of its first block on: the parent
+            # link is all the store needs of the prefix, so a put stays one batch long
+            # (and only these keys are derived) however deep in a long context it lands.
+            base = max(0, transfer.first - 1)
+            keys = self._pages.keys(transfer.salt, transfer.hashes[base:])  # block base + i
             for start, stop in self._batches(len(transfer.block_ids)):
                 staging = self._gather(transfer.block_ids[start:stop])
-                lo = max(0, transfer.first + start - 1)
-                chunks: list[np.ndarray | None] = [None] * (transfer.first + start - lo)
+                first = transfer.first + start - base  # the batch's first block, in keys
+                parent = max(0, first - 1)
+                chunks: list[np.ndarray | None] = [None] * (first - parent)
                 chunks += [row.view(torch.uint8).reshape(-1).numpy() for row in staging]
                 try:
-                    self._store.put(
-                        namespace, keys[lo - head : transfer.first + stop - head], chunks
-                    )
+                    self._store.put(namespace, keys[parent : first + stop - start], chunks)
                 except KVStoreError as error:
                     log.warning("kvstore save of request %s failed: %s", transfer.req_id, error)
 
