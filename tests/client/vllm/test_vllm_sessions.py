@@ -5,16 +5,20 @@ and how they are sent, against a real daemon (no vLLM needed;
 from __future__ import annotations
 
 import hashlib
+import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from support.daemon import Daemon
 
 import kvstore
+from kvstore.client.connect import KVClient
+from kvstore.client.vllm import sessions
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.client.vllm.sessions import (
     CLOSE_WAIT_S,
@@ -130,3 +134,56 @@ def test_closing_over_a_daemon_that_does_not_answer_is_bounded(
             daemon.proc.send_signal(signal.SIGCONT)
     assert queued < 1.0  # six events queued, none sent on this thread
     assert closed < 2 * CLOSE_WAIT_S + 1.0
+
+
+class _Watched:
+    """A real client whose sends say when the first one began (the sender's thread
+    then holds that event, and the queue is empty)."""
+
+    def __init__(self, client: KVClient) -> None:
+        self.client = client
+        self.sending = threading.Event()
+
+    def request_started(self, *args: Any, **fields: Any) -> None:
+        self.sending.set()
+        self.client.request_started(*args, **fields)
+
+    def request_finished(self, *args: Any, **fields: Any) -> None:
+        self.sending.set()
+        self.client.request_finished(*args, **fields)
+
+
+def test_a_full_queue_drops_the_newest_events_with_one_warning_and_never_blocks(
+    daemon_factory: Callable[..., Daemon],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The daemon stopped: one event hangs in its send, ``QUEUE_EVENTS`` wait behind it,
+    and the rest are dropped at once; once it answers again, exactly those arrive."""
+    monkeypatch.setattr(sessions, "QUEUE_EVENTS", 4)
+    daemon = daemon_factory()
+    assert daemon.proc is not None
+    with kvstore.connect(daemon.url, timeout_s=10.0) as client:
+        watched = _Watched(client)
+        events = SessionEvents(cast(KVClient, watched), PAGES)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            first = request("r0", 2, "flooded")
+            events.started(first, KEYS[:2], local_tokens=0, external_tokens=0)
+            assert watched.sending.wait(5.0)
+            began = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="kvstore.client.vllm"):
+                events.finished(first, KEYS[:3])
+                for i in range(1, 5):  # with the first's finish, 4 queued; then 5 dropped
+                    call = request(f"r{i}", 2, "flooded")
+                    events.started(call, KEYS[:2], local_tokens=0, external_tokens=0)
+                    events.finished(call, KEYS[:3])
+            queued = time.monotonic() - began
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        events.close()
+        with daemon.client() as http:
+            assert http.get("/v1/stats").json()["daemon"]["events_received"] == 1 + 4
+    assert queued < 1.0
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert dropped == ["kvstore session events dropped: 4 queued"]
