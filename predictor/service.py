@@ -12,6 +12,10 @@ The daemon's app owns one (``cleanup_ctx``: ``lifecycle``). Where things run::
                               every save_interval_s, and at shutdown ─► save the model
     POST /v1/put ─► saw_put(): a session's latest chain, for events that carry none
 
+An event that carries its chain also says whose blocks those are
+(``PlacementPolicy.touch``): vLLM's workers put and load blocks without a session,
+and the chain in its scheduler's events is the only word of who used them.
+
 Why a queue: a placement moves KV between tiers (a demotion writes a chain to
 LMDB), and an engine that reports a finished request must not wait for that.
 Events are advisory, so a full queue drops rather than blocks.
@@ -354,7 +358,9 @@ class PredictorService:
         if session == UNNAMED:
             session = driver.tracker.infer(keys) or f"inferred-{keys[-1].hex()}"
             event = dataclasses.replace(event, session=session)
-        if not keys and session in self._puts:
+        if keys:  # the engine's data path may name no session: the event says whose they are
+            self.policy.touch(session, keys)
+        elif session in self._puts:
             namespace, keys = self._puts[session]
         if isinstance(event, RequestStarted):
             state = driver.started(event, keys, namespace, event.user)

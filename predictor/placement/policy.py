@@ -253,6 +253,23 @@ class PlacementPolicy:
             state.touched = next(self._recency)
             ranking.rank(owner, self._rank(state, tier))
 
+    def touch(self, session: str, keys: Sequence[ChunkKey]) -> None:
+        """``session`` used the blocks of ``keys`` though the data path did not say so
+        (vLLM's workers load and save blocks knowing no session; its scheduler's events
+        carry the chain): it owns those the store holds, as if its own get had touched
+        them. Without this no block of such a session is its own to place."""
+        state = self._session(session)
+        state.touched = next(self._recency)
+        for tier, ranking in self._tiers.items():
+            entered = self._entered[tier]
+            held = [key for key in keys if key in entered]
+            for key in held:
+                self._owner[key] = session
+                ranking.add(key, session)
+                self._anonymous.on_remove(tier, key)
+            if held:
+                ranking.rank(session, self._rank(state, tier))
+
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
         ranking = self._tiers[tier]
         if key in self._offered[tier] and key not in self._moving:  # pushed out by pressure

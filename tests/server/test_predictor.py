@@ -275,7 +275,8 @@ def test_events_that_carry_chains_find_their_session_by_the_chain(
     """A client that knows no session ids (the vLLM connector) sends each request's
     chain and leaves the session ``UNNAMED``: the daemon names it after the first
     prompt's chain, a call that extends the last one's chain continues it, and the
-    chain tells the daemon where the session's KV lies."""
+    chain tells the daemon where the session's KV lies, and that the blocks, put with
+    no session, are its own to place."""
     daemon = daemon_factory(config(), daemon=OWN_CLOCK)
     ns = kv.namespace(salt="unnamed")
     keys = keys_of(ns, kv.tokens(6))
@@ -305,6 +306,8 @@ def test_events_that_carry_chains_find_their_session_by_the_chain(
         body = session(client, f"inferred-{keys[2].hex()}")
     assert (body["requests"], body["gaps"], body["active"]) == (2, 1, False)
     assert body["chain"]["chunks"] == 6 and "missing" not in body["chain"]["tiers"]
+    placed = [d for d in body["decisions"] if d["action"] == "place"]
+    assert len(placed) == 2 and placed[0]["chunks"] == 6  # each time it went idle
 
 
 def test_a_model_from_train_predictor_starts_a_daemon(

@@ -53,6 +53,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:::(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"
 )
+# The random model has no chat template: half its vocabulary "ends a tool call", so
+# some greedy outputs end in one and some do not.
+TOOL_CALL_END = list(range(256))
 SSD_ONLY = """\
 data_dir = "{data_dir}"
 max_batch_chunks = 2
@@ -106,7 +109,11 @@ def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
             kv_connector_module_path="kvstore.client.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"url": store_daemon.url, "batch_blocks": 1},
+            kv_connector_extra_config={
+                "url": store_daemon.url,
+                "batch_blocks": 1,
+                "tool_call_end_token_ids": TOOL_CALL_END,
+            },
         ),
     )
     try:
@@ -251,6 +258,23 @@ def test_a_request_tagged_in_kv_transfer_params_is_the_session_and_user_it_names
     assert generate(llm, again, bad)[0] == generate(llm, again)[0]
     _, keys = vllm_keys(model_dir, again)
     session_once_idle(store_daemon, f"inferred-{keys[-1].hex()}", requests=2)
+
+
+def test_an_output_that_ends_a_tool_call_keeps_its_chain_for_the_tools_result(
+    llm: Any, store_daemon: Daemon
+) -> None:
+    """The connector reports ``tool_running`` by the output's last token, and the
+    daemon's placement names it: a tool's result comes back in seconds."""
+    ends: dict[bool, str] = {}
+    for seed in range(20, 60):
+        if len(ends) == 2:
+            break
+        output, _ = generate(llm, prompt(seed), {"kvstore": {"session": f"tool-{seed}"}})
+        ends.setdefault(output[-1] in TOOL_CALL_END, f"tool-{seed}")
+    assert set(ends) == {True, False}, ends  # greedy and seeded: the same every run
+    for ended_in_tool, name in ends.items():
+        reasons = {d["reason"] for d in session_once_idle(store_daemon, name, 1)["decisions"]}
+        assert ("tool running" in reasons) == ended_in_tool, reasons
 
 
 def session_once_idle(daemon: Daemon, name: str, requests: int) -> dict[str, Any]:
