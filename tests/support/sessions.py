@@ -45,15 +45,17 @@ class Sessions:
         *,
         trigger: Trigger = Trigger.USER,
         tool_running: bool = False,
+        named: bool = True,
     ) -> SessionState:
         """One request of ``session`` whose prompt is ``n_chunks`` chunks from ``tokens_start``,
-        finished a second later (``tool_running``: it ended asking for a tool)."""
+        finished a second later (``tool_running``: it ended asking for a tool). Not
+        ``named``, its put names no session, as vLLM's workers' puts."""
         tokens = kv.tokens(n_chunks, start=tokens_start)
         keys = self.store.keys_for(self.ns, tokens)
         started = RequestStarted(session, trigger, len(tokens), 0, now)
         state, _ = self.tracker.started(started, keys, self.ns.digest)
         self.policy.on_resume(self.store, state, now)
-        self.store.put(self.ns, tokens, kv.chunks(n_chunks), session=session)
+        self.store.put(self.ns, tokens, kv.chunks(n_chunks), session=session if named else None)
         finished = RequestFinished(session, 1, 8, len(tokens), tool_running, 0, 0, now + 1)
         return self.tracker.finished(finished, keys, self.ns.digest)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from support import kv
 from support.sessions import Sessions, StepForecast, opened
 
@@ -165,6 +166,19 @@ def test_a_shared_prefix_stays_with_its_last_user(three_tiers: Sessions) -> None
     run.request("b", 0, 2, now=2.0)  # b's prompt is a's first two chunks: b owns them now
     run.policy.on_idle(run.store, a, forecast("a", 3.0, 0.05, 0.2, 0.4), 3.0)
     assert run.where(0, 3) == [HBM, HBM, DRAM]
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_blocks_put_with_no_session_are_its_own_to_place_once_its_event_says_so(
+    three_tiers: Sessions, told: bool
+) -> None:
+    run = three_tiers
+    run.busy(5)
+    state = run.request("a", 0, 3, now=0.0, named=False)  # HBM is full now
+    if told:  # the daemon, from the chain its request_finished carried
+        run.policy.touch("a", state.chain)
+    run.policy.on_idle(run.store, state, forecast("a", 1.0, 0.05, 0.2, 0.4), 1.0)
+    assert run.where(0, 3) == [DRAM if told else HBM] * 3
 
 
 def test_ttl_demotes_what_nobody_touched_for_the_timeout(tmp_path: Path) -> None:
