@@ -273,7 +273,9 @@ def test_an_output_that_ends_a_tool_call_keeps_its_chain_for_the_tools_result(
         ends.setdefault(output[-1] in TOOL_CALL_END, f"tool-{seed}")
     assert set(ends) == {True, False}, ends  # greedy and seeded: the same every run
     for ended_in_tool, name in ends.items():
-        reasons = {d["reason"] for d in session_once_idle(store_daemon, name, 1)["decisions"]}
+        decisions = session_once_idle(store_daemon, name, 1)["decisions"]
+        reasons = {d["reason"] for d in decisions if d["action"] == "place"}
+        assert reasons, decisions  # placed at all: the blocks are the session's own
         assert ("tool running" in reasons) == ended_in_tool, reasons
 
 
