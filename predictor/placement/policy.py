@@ -260,15 +260,20 @@ class PlacementPolicy:
         them. Without this no block of such a session is its own to place."""
         state = self._session(session)
         state.touched = next(self._recency)
+        owners = self._owner
         for tier, ranking in self._tiers.items():
-            entered = self._entered[tier]
-            held = [key for key in keys if key in entered]
-            for key in held:
-                self._owner[key] = session
+            entered, filed = self._entered[tier], ranking.owner
+            # In chain order (a session's blocks leave tail first); most of a growing
+            # chain is the session's already, and only the rest is filed again.
+            for key in [key for key in keys if key in entered and filed.get(key) != session]:
+                owners[key] = session
                 ranking.add(key, session)
                 self._anonymous.on_remove(tier, key)
-            if held:
+            if session in ranking.blocks:
                 ranking.rank(session, self._rank(state, tier))
+        for key in keys:  # also where a tier filed it under the session already
+            if key in owners:  # (held somewhere)
+                owners[key] = session
 
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
         ranking = self._tiers[tier]
