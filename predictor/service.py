@@ -451,8 +451,9 @@ class PredictorService:
         return [body for body in described if body is not None]
 
     def session(self, name: str) -> dict[str, Any] | None:
-        """What the predictor knows of one session, with where its chain lies now and the
-        latest ``SESSION_DECISIONS`` decisions on it (None: nothing; so before ``load``,
+        """What the predictor knows of one session, with where its chain lies now, the
+        blocks it owns per tier (what its placement moves), and the latest
+        ``SESSION_DECISIONS`` decisions on it (None: nothing; so before ``load``,
         as every event still waits in the queue)."""
         with self._lock:
             driver, learner = self._driver, self.learner
@@ -477,6 +478,9 @@ class PredictorService:
                 },
             }
         body["chain"] = None if digest is None else _where(driver.store, digest, chain)
+        with driver.store.locked():  # the policy's books change under the store's lock
+            owned = self.policy.owned(name)
+        body["owned"] = {kind.label: blocks for kind, blocks in owned.items()}
         body["decisions"] = self.decisions(name, SESSION_DECISIONS)["decisions"]
         return body
 

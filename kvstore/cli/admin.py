@@ -150,6 +150,7 @@ def _session_lines(entry: dict[str, Any]) -> list[str]:
         f"  requests {entry.get('requests', 0)}  gaps {entry.get('gaps', 0)}",
         f"forecast: {_forecast(entry.get('forecast'))}",
         f"chain: {_chain(entry.get('chain'))}",
+        f"owned, what its placement moves: {_per_tier(entry.get('owned'))}",
     ]
     decisions = entry.get("decisions") or []
     if decisions:
@@ -184,8 +185,11 @@ def _forecast(forecast: dict[str, Any] | None) -> str:
 def _chain(chain: dict[str, Any] | None) -> str:
     if not chain:
         return "-"
-    tiers = " ".join(f"{tier}:{n}" for tier, n in chain.get("tiers", {}).items())
-    return f"{chain.get('chunks', 0)} chunks ({tiers})"
+    return f"{chain.get('chunks', 0)} chunks ({_per_tier(chain.get('tiers'))})"
+
+
+def _per_tier(blocks: dict[str, int] | None) -> str:
+    return " ".join(f"{tier}:{n}" for tier, n in (blocks or {}).items()) or "none"
 
 
 def _evict(client: DaemonClient, args: argparse.Namespace) -> Answer:

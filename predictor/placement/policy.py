@@ -275,6 +275,15 @@ class PlacementPolicy:
             if key in owners:  # (held somewhere)
                 owners[key] = session
 
+    def owned(self, session: str) -> dict[TierKind, int]:
+        """How many blocks ``session`` owns in each tier: what its idle placement moves
+        (a chain held there but owned by nobody, or by another session, stays put)."""
+        return {
+            kind: len(ranking.blocks[session])
+            for kind, ranking in self._tiers.items()
+            if session in ranking.blocks
+        }
+
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
         ranking = self._tiers[tier]
         if key in self._offered[tier] and key not in self._moving:  # pushed out by pressure

@@ -142,6 +142,7 @@ def test_sessions_lists_the_predictors_sessions_and_shows_one(
     one = kvstore("sessions", "alice", "--url", daemon.url)
     assert one.returncode == 0 and one.stdout.startswith("session alice  idle  requests 1")
     assert "decisions, newest first:" in one.stdout and "place" in one.stdout
+    assert "owned, what its placement moves: dram:2 ssd:2" in one.stdout  # copied down too
     assert "no session 'nobody'" in failed(daemon, "sessions", "nobody")
 
 

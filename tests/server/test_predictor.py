@@ -306,6 +306,7 @@ def test_events_that_carry_chains_find_their_session_by_the_chain(
         body = session(client, f"inferred-{keys[2].hex()}")
     assert (body["requests"], body["gaps"], body["active"]) == (2, 1, False)
     assert body["chain"]["chunks"] == 6 and "missing" not in body["chain"]["tiers"]
+    assert body["owned"] == {"dram": 6, "ssd": 6}  # all of it its own, and copied down
     placed = [d for d in body["decisions"] if d["action"] == "place"]
     assert len(placed) == 2 and placed[0]["chunks"] == 6  # each time it went idle
 
