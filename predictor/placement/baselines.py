@@ -17,7 +17,11 @@ eviction under pressure is LRU in all of them.
   gaps of the whole deployment, learned online (the llm-d proposal). Fed to
   ``PlacementPolicy`` it keeps a chain in a tier while P(back within that
   tier's horizon) is high; every session gets the same curve, shifted only by
-  how long it has been idle.
+  how long it has been idle. A session waiting on its tool is forecast back
+  within the first horizon for sure, which the policy reads as "never" once
+  that has passed (a subagent's parent, a long build); with ``ToolGaps`` it is
+  forecast from how soon tool results came back so far instead, which is all
+  the predictor knows of tool waits without its learnt forecast of the human.
 
 Only blocks nobody touched since the session went idle move, so a prefix that
 other sessions keep using stays where it is.
@@ -25,6 +29,7 @@ other sessions keep using stays where it is.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -188,14 +193,54 @@ class PrevGapPolicy(ToolAwarePolicy):
         return TierKind.HBM
 
 
+class ToolGaps:
+    """How soon tool results came back so far, counted as the predictor's
+    ``counting.ToolReturns`` counts them: P(back within h) is the share of the tool
+    waits whose outcome at h is known that ended within h, from a prior of 9 in 10
+    worth 10 waits. A wait still open after h counts as not back within h, so waits
+    that never end (a conversation that stops at a tool call) pull the chances down
+    as they age, as they do the predictor's.
+    """
+
+    PRIOR_WITHIN = 9.0
+    PRIOR_WAITS = 10.0
+
+    def __init__(self) -> None:
+        self._gaps: list[float] = []  # of the waits that ended, sorted
+        self._open: dict[str, float] = {}  # session -> when its wait began
+
+    def waiting(self, session: str, since: float) -> None:
+        """``session`` went idle at ``since`` while its tool runs."""
+        self._open[session] = since
+
+    def returned(self, session: str, now: float) -> None:
+        """``session`` is back at ``now``; nothing if it was not waiting on a tool."""
+        since = self._open.pop(session, None)
+        if since is not None:
+            bisect.insort(self._gaps, now - since)
+
+    def within(self, horizons: Sequence[float], now: float) -> tuple[float, ...]:
+        ages = sorted(now - since for since in self._open.values())
+        ended = len(self._gaps)
+        chances = []
+        for h in horizons:
+            back = bisect.bisect_right(self._gaps, h)
+            open_past = len(ages) - bisect.bisect_right(ages, h)
+            known = ended + open_past
+            chances.append((back + self.PRIOR_WITHIN) / (known + self.PRIOR_WAITS))
+        return tuple(chances)
+
+
 class LogNormalGaps:
     """One log-normal of every human gap seen so far (Welford on ``log(gap)``), as a
     forecast: P(back within h) = Phi((log h - mu) / sigma). A session that went idle
-    asking for a tool is forecast back at once. Before ``min_samples`` gaps, a prior
-    of median 2 minutes and a wide spread (TraceLab's published shape)."""
+    asking for a tool is forecast back at once, or, given ``tools``, as soon as tool
+    results came back so far. Before ``min_samples`` gaps, a prior of median 2
+    minutes and a wide spread (TraceLab's published shape)."""
 
-    def __init__(self, min_samples: int = 20) -> None:
+    def __init__(self, min_samples: int = 20, tools: ToolGaps | None = None) -> None:
         self.min_samples = min_samples
+        self.tools = tools
         self._count = 0
         self._mean = 0.0
         self._m2 = 0.0
@@ -219,7 +264,8 @@ class LogNormalGaps:
         self, session: str, at: float, horizons: Sequence[float], tool_running: bool
     ) -> ReturnForecast:
         if tool_running:
-            return ReturnForecast(session, at, tuple(horizons), tuple(1.0 for _ in horizons))
+            back = self.tools.within(horizons, at) if self.tools else tuple(1.0 for _ in horizons)
+            return ReturnForecast(session, at, tuple(horizons), back)
         mu, sigma = self.parameters
         probabilities = tuple(
             0.5 * (1.0 + math.erf((math.log(h) - mu) / (sigma * math.sqrt(2.0))))

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 
 N = TypeVar("N", int, float)
 
-DEFAULT_POLICIES = "lru,ttl:60,ttl:300,ttl:600,tool-aware,prev-gap,lognormal,predictor,oracle,bound"
+DEFAULT_POLICIES = (
+    "lru,ttl:60,ttl:300,ttl:600,tool-aware,prev-gap,lognormal,lognormal-tools,predictor,oracle,bound"
+)
 
 COMMANDS = ("replay", "train-predictor")
 
@@ -90,8 +92,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     replay.add_argument(
         "--policy",
         default=DEFAULT_POLICIES,
-        help="comma-separated: lru, ttl:SECONDS, tool-aware, prev-gap, lognormal, predictor, "
-        f"oracle[:AUC], bound (default {DEFAULT_POLICIES})",
+        help="comma-separated: lru, ttl:SECONDS, tool-aware, prev-gap, lognormal, "
+        f"lognormal-tools, predictor, oracle[:AUC], bound (default {DEFAULT_POLICIES})",
     )
     replay.add_argument("--hbm-gb", type=float, required=True, help="HBM tier, GB of KV")
     replay.add_argument("--dram-gb", type=float, required=True, help="DRAM tier, GB of KV")

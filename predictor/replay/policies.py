@@ -6,6 +6,7 @@ each name stands for:
     tool-aware     HBM while a tool runs, out of HBM at the human's turn
     prev-gap       out of HBM at once after a human gap over 10 minutes
     lognormal      PlacementPolicy fed one log-normal of the deployment's human gaps
+    lognormal-tools  the same, with tool waits forecast from how soon tools came back
     predictor      PlacementPolicy fed the return model's forecasts
     oracle         PlacementPolicy fed the true next arrival (oracle:AUC: blurred to it)
     bound          no policy: the offline lower bound on GPU-seconds (``replay.bound``)
@@ -32,6 +33,7 @@ class PolicyKind(enum.Enum):
     TOOL_AWARE = "tool-aware"
     PREV_GAP = "prev-gap"
     LOGNORMAL = "lognormal"
+    LOGNORMAL_TOOLS = "lognormal-tools"
     PREDICTOR = "predictor"
     ORACLE = "oracle"
     BOUND = "bound"
@@ -44,6 +46,7 @@ _BASELINES = frozenset(
         PolicyKind.TOOL_AWARE,
         PolicyKind.PREV_GAP,
         PolicyKind.LOGNORMAL,
+        PolicyKind.LOGNORMAL_TOOLS,
     }
 )
 
@@ -81,7 +84,7 @@ def parse_policies(text: str) -> list[PolicySpec]:
         except ValueError:
             raise ConfigError(
                 f"unknown policy {item!r}; expected one of lru, ttl:SECONDS, tool-aware, "
-                "prev-gap, lognormal, predictor, oracle[:AUC], bound"
+                "prev-gap, lognormal, lognormal-tools, predictor, oracle[:AUC], bound"
             ) from None
         seconds = auc = None
         if kind is PolicyKind.ORACLE and argument:

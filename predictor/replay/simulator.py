@@ -60,7 +60,7 @@ from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel
 from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionTracker
-from kvstore.predictor.placement.baselines import LogNormalGaps
+from kvstore.predictor.placement.baselines import LogNormalGaps, ToolGaps
 from kvstore.predictor.placement.policy import (
     PlacementPolicy,
     SessionPolicy,
@@ -205,6 +205,15 @@ def replay_policy(
             return _Run(workload, spec, config, store, policy).run(progress)
 
 
+def _lognormal(kind: PolicyKind) -> LogNormalGaps | None:
+    """The forecaster of a ``lognormal`` replay, counting tool waits for ``lognormal-tools``."""
+    if kind is PolicyKind.LOGNORMAL:
+        return LogNormalGaps()
+    if kind is PolicyKind.LOGNORMAL_TOOLS:
+        return LogNormalGaps(tools=ToolGaps())
+    return None
+
+
 @contextlib.contextmanager
 def _one_torch_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
@@ -284,7 +293,7 @@ class _Run:
             _learner(config, self.horizons) if spec.kind is PolicyKind.PREDICTOR else None
         )
         self.blurred = self._blurred() if spec.auc is not None else None
-        self.lognormal = LogNormalGaps() if spec.kind is PolicyKind.LOGNORMAL else None
+        self.lognormal = _lognormal(spec.kind)
         self.driver = SessionDriver(store, policy, self.learner)
         self.payload = bytes(self.namespace.layout.chunk_nbytes)
         self.block_bytes = HEADER_BYTES + self.namespace.layout.chunk_nbytes
@@ -399,6 +408,9 @@ class _Run:
             session.last_human_gap = now - session.idle_since
             if self.lognormal is not None:
                 self.lognormal.observe(session.last_human_gap)
+        tools = self.lognormal.tools if self.lognormal is not None else None
+        if tools is not None:
+            tools.returned(session.name, now)
         started = RequestStarted(session.name, call.trigger, call.prompt_tokens, 0, now)
         state = self.driver.started(started, request.keys, self.namespace.digest, session.user)
         self.driver.resumed(state, now)
@@ -524,6 +536,8 @@ class _Run:
             oracle = perfect_forecast(session.name, now, gap, self.horizons)
         elif self.lognormal is not None:
             tool = call.stop is Stop.TOOL_USE
+            if tool and self.lognormal.tools is not None:
+                self.lognormal.tools.waiting(session.name, now)
             oracle = self.lognormal.forecast(session.name, now, self.horizons, tool)
         idle = self.driver.finished(finished, request.keys, self.namespace.digest, oracle)
         session.idle_since = now

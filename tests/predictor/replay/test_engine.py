@@ -213,7 +213,7 @@ def test_a_closed_loop_replay_is_deterministic_and_every_token_is_accounted() ->
         for i in range(8)
     ]
     workload = compose_users(conversations, users=3, seed=0)
-    specs = parse_policies("lru,ttl:30,predictor,oracle")
+    specs = parse_policies("lru,ttl:30,lognormal-tools,predictor,oracle")
     first = replay(workload, specs, config(12))
     second = replay(workload, specs, config(12), jobs=2)  # in worker processes: the same
     for one, other in zip(first, second, strict=True):

@@ -89,6 +89,8 @@ def test_parse_policies() -> None:
     assert [spec.name for spec in specs] == ["lru", "ttl:60", "ttl:300", "predictor", "oracle"]
     assert specs[1] == PolicySpec(PolicyKind.TTL, 60.0) and specs[1].baseline
     assert not specs[3].baseline
+    assert parse_policies("lognormal-tools") == [PolicySpec(PolicyKind.LOGNORMAL_TOOLS)]
+    assert PolicySpec(PolicyKind.LOGNORMAL_TOOLS).baseline
     for bad in ("", "lru,fifo", "ttl", "ttl:x", "ttl:-5", "oracle:3"):
         with pytest.raises(ConfigError):
             parse_policies(bad)
