@@ -1,6 +1,7 @@
-"""Several policies over one workload, each in a worker process of its own on a fresh
-store (``replay``): the same workload and seed give the same numbers however many
-run at once, as each worker runs exactly what ``simulator.replay_policy`` runs here."""
+"""Replays in worker processes, each on a fresh store (``replay_runs``): several policies
+over one workload (``replay``), or the cells of a sweep. The same workload and seed
+give the same numbers however many run at once, as each worker runs exactly what
+``simulator.replay_policy`` runs here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import queue
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.predictor.replay.config import Progress, ReplayConfig
@@ -18,23 +20,34 @@ from kvstore.predictor.replay.simulator import replay_policy
 from kvstore.predictor.replay.workload import Workload
 
 
-def _replay_one(
-    workload: Workload, spec: PolicySpec, config: ReplayConfig, reports: Any
-) -> PolicyResult:
-    """One policy in a worker process; progress goes back over ``reports`` (a manager's
+@dataclass(frozen=True)
+class Run:
+    """One policy over one workload at one sizing; ``label`` names it in progress reports
+    (default: the policy's name)."""
+
+    workload: Workload
+    spec: PolicySpec
+    config: ReplayConfig
+    label: str | None = None
+
+
+def _replay_one(run: Run, reports: Any) -> PolicyResult:
+    """One run in a worker process; progress goes back over ``reports`` (a manager's
     queue; None: none asked for)."""
-    progress = None if reports is None else _Reporter(reports)
-    return replay_policy(workload, spec, config, progress)
+    progress = None if reports is None else _Reporter(reports, run.label)
+    return replay_policy(run.workload, run.spec, run.config, progress)
 
 
 class _Reporter:
-    """A worker's ``Progress``: each report put on the parent's queue."""
+    """A worker's ``Progress``: each report put on the parent's queue, under ``label`` if
+    given."""
 
-    def __init__(self, reports: Any) -> None:
+    def __init__(self, reports: Any, label: str | None = None) -> None:
         self.reports = reports
+        self.label = label
 
     def __call__(self, policy: str, done: int, total: int) -> None:
-        self.reports.put((policy, done, total))
+        self.reports.put((self.label or policy, done, total))
 
 
 def replay(
@@ -46,17 +59,35 @@ def replay(
 ) -> list[PolicyResult]:
     """Every policy over the same workload, each on a fresh store, ``jobs`` at a time in
     worker processes (1: here, in order). Results come back in ``specs``' order."""
-    if jobs <= 1 or len(specs) <= 1:
-        return [replay_policy(workload, spec, config, progress) for spec in specs]
+    return replay_runs([Run(workload, spec, config) for spec in specs], progress, jobs)
+
+
+def replay_runs(
+    runs: Sequence[Run], progress: Progress | None = None, jobs: int = 1
+) -> list[PolicyResult]:
+    """Every run, ``jobs`` at a time in worker processes (1: here, in order). Results come
+    back in ``runs``' order."""
+    if jobs <= 1 or len(runs) <= 1:
+        return [
+            replay_policy(run.workload, run.spec, run.config, _labelled(progress, run.label))
+            for run in runs
+        ]
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager:
         reports = manager.Queue() if progress is not None else None
-        with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context) as pool:
-            runs = [pool.submit(_replay_one, workload, spec, config, reports) for spec in specs]
-            while not all(run.done() for run in runs):
+        with ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=context) as pool:
+            futures = [pool.submit(_replay_one, run, reports) for run in runs]
+            while not all(future.done() for future in futures):
                 _relay(reports, progress)
             _relay(reports, progress, wait_s=0.0)
-            return [run.result() for run in runs]
+            return [future.result() for future in futures]
+
+
+def _labelled(progress: Progress | None, label: str | None) -> Progress | None:
+    """``progress`` reporting under ``label`` instead of the policy's name, if given."""
+    if progress is None or label is None:
+        return progress
+    return lambda _policy, done, total: progress(label, done, total)
 
 
 def _relay(reports: Any, progress: Progress | None, wait_s: float = 0.5) -> None:

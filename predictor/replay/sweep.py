@@ -22,7 +22,7 @@ from typing import Any
 
 from kvstore.predictor.replay.bound import offline_bound
 from kvstore.predictor.replay.config import Progress, ReplayConfig
-from kvstore.predictor.replay.parallel import replay
+from kvstore.predictor.replay.parallel import Run, replay_runs
 from kvstore.predictor.replay.policies import PolicySpec
 from kvstore.predictor.replay.report import policy_summary
 from kvstore.predictor.replay.results import PolicyResult
@@ -113,16 +113,28 @@ def sweep(
 ) -> list[Cell]:
     """Replay ``specs`` in every cell of ``users`` x ``hbm_gb`` (``config``'s other sizes).
     ``done(users, hbm)`` hands back a cell already replayed (the main run), so it is not
-    replayed twice."""
-    cells: list[Cell] = []
+    replayed twice. The cells' runs share the ``jobs`` workers, so a sweep of fewer
+    policies than workers still keeps them all busy."""
+    grid: list[tuple[int | None, float, Workload, ReplayConfig, Sequence[PolicyResult] | None]]
+    grid = []
+    runs: list[Run] = []
     for count in users:
         workload = workload_for(count)
         for size in hbm_gb:
             sizing = dataclasses.replace(config.sizing, hbm_gb=size)
             sized = dataclasses.replace(config, sizing=sizing)
-            results = done(count, size)
-            if results is None:
-                results = replay(workload, specs, sized, progress, jobs=jobs)
-            bound = offline_bound(workload, sized).gpu_seconds if with_bound else None
-            cells.append(cell_of(count, size, results, bound))
+            reused = done(count, size)
+            grid.append((count, size, workload, sized, reused))
+            if reused is None:
+                where = f"{count} users, " if count is not None else ""
+                runs.extend(
+                    Run(workload, spec, sized, f"{spec.name} ({where}{size:g} GB)")
+                    for spec in specs
+                )
+    replayed = iter(replay_runs(runs, progress, jobs=jobs))
+    cells: list[Cell] = []
+    for count, size, workload, sized, reused in grid:
+        results = reused if reused is not None else [next(replayed) for _ in specs]
+        bound = offline_bound(workload, sized).gpu_seconds if with_bound else None
+        cells.append(cell_of(count, size, results, bound))
     return cells

@@ -70,3 +70,21 @@ def test_the_sweep_over_users_is_for_conversations(
     argv[-3:] = ["--sweep-hbm", "1,x", "--no-progress"]
     assert main(argv) == 2
     assert "comma-separated numbers" in capsys.readouterr().err
+
+
+def test_the_cells_share_the_workers_and_give_the_same_numbers(
+    conversations: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One policy a cell: the cells themselves run in the two workers, each reporting its
+    progress under its own label, and every cell comes out as it does in one process."""
+    argv = ["replay", str(conversations), "--users", "2", "--policy", "lru"]
+    argv += ["--hbm-gb", "20", "--dram-gb", "10", "--ssd-gb", "1000"]
+    argv += ["--sweep-users", "1,2", "--sweep-hbm", "10,20", "--json"]
+    cells = {}
+    for jobs in ("1", "2"):
+        assert main([*argv, "--jobs", jobs]) == 0
+        out, err = capsys.readouterr()
+        cells[jobs] = json.loads(out)["sweep"]
+        assert "lru (1 users, 10 GB) 100%" in err
+        assert "lru (2 users, 20 GB)" not in err  # the main run, not replayed again
+    assert cells["1"] == cells["2"]
