@@ -10,10 +10,18 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.block import encode_block
+from kvstore.errors import TierFull
+from kvstore.keys import ChunkKey, Namespace, external_keys
 from kvstore.predictor.learning.model import ReturnModel
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call, Conversation, Stop, Subagents
-from kvstore.predictor.replay.costs import Sizing
+from kvstore.predictor.replay.costs import (
+    Sizing,
+    stand_in_capacity,
+    stand_in_layout,
+    stand_in_map_size,
+)
 from kvstore.predictor.replay.engine import Admission, EngineModel, PrefillQueue
 from kvstore.predictor.replay.parallel import replay
 from kvstore.predictor.replay.policies import parse_policies
@@ -29,6 +37,7 @@ from kvstore.predictor.replay.workload import (
 )
 from kvstore.store.config import CostModel
 from kvstore.tiers.kinds import TierKind
+from kvstore.tiers.lmdb_tier import LMDBTier
 from kvstore.wire.events import Trigger
 
 BLOCK = 512  # tokens a block, one block a chunk
@@ -245,3 +254,39 @@ def test_the_predictor_gives_the_same_numbers_in_and_out_of_worker_processes(
     there, _ = replay(workload, parse_policies("predictor,lru"), sized, jobs=2)
     assert here.gpu_seconds == there.gpu_seconds and here.calls == there.calls
     assert here.quality == there.quality
+
+
+def _churn(tier: LMDBTier, namespace: Namespace, slots: int, rounds: float) -> None:
+    """Write ``rounds`` times ``slots`` stand-in blocks into ``tier``, deleting the oldest
+    first whenever the next batch would pass its capacity, as eviction does."""
+    payload = memoryview(bytes(namespace.layout.chunk_nbytes))
+    held: list[ChunkKey] = []
+    written, batch = 0, 256
+    while written < rounds * slots:
+        keys = external_keys(namespace, list(range(written, written + batch)))
+        while held and tier.used_bytes() + batch * (len(payload) + 256) > tier.capacity_bytes():
+            tier.delete_many(namespace.digest, held[:batch])
+            del held[:batch]
+        blocks = [(key, encode_block(namespace, key, None, payload)) for key in keys]
+        tier.put_many(namespace.digest, blocks)
+        held.extend(keys)
+        written += batch
+
+
+def test_the_ssd_tier_holds_its_slots_of_stand_ins_through_churn(tmp_path: Path) -> None:
+    """Sixty thousand 1 KiB stand-ins fill LMDB's map before they fill the tier's
+    capacity under the map size made for blocks of megabytes (the Mooncake replay's SSD
+    tier then failed its writes and deletes and served misses); the replay's own map
+    size holds them through a full turnover."""
+    slots = 60_000
+    layout = stand_in_layout(1024)
+    namespace = Namespace("replay", layout)
+    capacity = stand_in_capacity(TierKind.SSD, slots, layout)
+    general = LMDBTier(tmp_path / "general", capacity, sync=False)
+    with pytest.raises(TierFull):
+        _churn(general, namespace, slots, rounds=1.0)
+    general.close()
+    sized = LMDBTier(tmp_path / "replay", capacity, map_size=stand_in_map_size(slots), sync=False)
+    _churn(sized, namespace, slots, rounds=1.5)
+    assert sized.used_bytes() <= capacity
+    sized.close()
