@@ -42,13 +42,17 @@ _TABLE_PRIOR = 4.0  # a bin starts as the pooled rate, worth this many periods
 _EPS = 1e-4
 
 
+TOOL_PRIOR = (9.0, 10.0)
+"""A tool wait's prior: back within a horizon 9 times in 10, worth 10 waits."""
+
+
 class ToolReturns:
-    """P(back within each horizon) of sessions idle while a tool runs; a prior of 9 in
-    10, worth 10 periods."""
+    """P(back within each horizon) of sessions idle while a tool runs, from
+    ``TOOL_PRIOR``."""
 
     def __init__(self, horizons: Sequence[float]) -> None:
-        self.within = [9.0] * len(horizons)
-        self.known = [10.0] * len(horizons)
+        self.within = [TOOL_PRIOR[0]] * len(horizons)
+        self.known = [TOOL_PRIOR[1]] * len(horizons)
 
     def predict(self) -> tuple[float, ...]:
         return tuple(w / n for w, n in zip(self.within, self.known, strict=True))

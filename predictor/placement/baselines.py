@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey
+from kvstore.predictor.learning.counting import TOOL_PRIOR
 from kvstore.predictor.learning.online import ReturnForecast
 from kvstore.predictor.placement.hooks import (
     Forecast,
@@ -196,39 +197,45 @@ class PrevGapPolicy(ToolAwarePolicy):
 class ToolGaps:
     """How soon tool results came back so far, counted as the predictor's
     ``counting.ToolReturns`` counts them: P(back within h) is the share of the tool
-    waits whose outcome at h is known that ended within h, from a prior of 9 in 10
-    worth 10 waits. A wait still open after h counts as not back within h, so waits
+    waits whose outcome at h is known that ended within h, from the same
+    ``TOOL_PRIOR``. A wait still open after h counts as not back within h, so waits
     that never end (a conversation that stops at a tool call) pull the chances down
     as they age, as they do the predictor's.
     """
 
-    PRIOR_WITHIN = 9.0
-    PRIOR_WAITS = 10.0
-
     def __init__(self) -> None:
         self._gaps: list[float] = []  # of the waits that ended, sorted
         self._open: dict[str, float] = {}  # session -> when its wait began
+        self._starts: list[float] = []  # the values of ``_open``, sorted
 
     def waiting(self, session: str, since: float) -> None:
         """``session`` went idle at ``since`` while its tool runs."""
+        self._close(session)
         self._open[session] = since
+        bisect.insort(self._starts, since)
 
     def returned(self, session: str, now: float) -> None:
         """``session`` is back at ``now``; nothing if it was not waiting on a tool."""
-        since = self._open.pop(session, None)
+        since = self._close(session)
         if since is not None:
             bisect.insort(self._gaps, now - since)
 
     def within(self, horizons: Sequence[float], now: float) -> tuple[float, ...]:
-        ages = sorted(now - since for since in self._open.values())
-        ended = len(self._gaps)
+        prior_within, prior_waits = TOOL_PRIOR
         chances = []
         for h in horizons:
             back = bisect.bisect_right(self._gaps, h)
-            open_past = len(ages) - bisect.bisect_right(ages, h)
-            known = ended + open_past
-            chances.append((back + self.PRIOR_WITHIN) / (known + self.PRIOR_WAITS))
+            open_past = bisect.bisect_left(self._starts, now - h)  # open longer than h
+            known = len(self._gaps) + open_past
+            chances.append((back + prior_within) / (known + prior_waits))
         return tuple(chances)
+
+    def _close(self, session: str) -> float | None:
+        """Forget ``session``'s open wait; when it began (None: it had none)."""
+        since = self._open.pop(session, None)
+        if since is not None:
+            del self._starts[bisect.bisect_left(self._starts, since)]
+        return since
 
 
 class LogNormalGaps:

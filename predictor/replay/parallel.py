@@ -34,20 +34,18 @@ class Run:
 def _replay_one(run: Run, reports: Any) -> PolicyResult:
     """One run in a worker process; progress goes back over ``reports`` (a manager's
     queue; None: none asked for)."""
-    progress = None if reports is None else _Reporter(reports, run.label)
-    return replay_policy(run.workload, run.spec, run.config, progress)
+    progress = None if reports is None else _Reporter(reports)
+    return replay_policy(run.workload, run.spec, run.config, _labelled(progress, run.label))
 
 
 class _Reporter:
-    """A worker's ``Progress``: each report put on the parent's queue, under ``label`` if
-    given."""
+    """A worker's ``Progress``: each report put on the parent's queue."""
 
-    def __init__(self, reports: Any, label: str | None = None) -> None:
+    def __init__(self, reports: Any) -> None:
         self.reports = reports
-        self.label = label
 
     def __call__(self, policy: str, done: int, total: int) -> None:
-        self.reports.put((self.label or policy, done, total))
+        self.reports.put((policy, done, total))
 
 
 def replay(

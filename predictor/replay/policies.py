@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.predictor.placement.baselines import (
+    LogNormalGaps,
     LRUBaseline,
     PrevGapPolicy,
     ToolAwarePolicy,
+    ToolGaps,
     TTLPolicy,
 )
 from kvstore.predictor.placement.policy import PlacementConfig, PlacementPolicy, SessionPolicy
@@ -126,3 +128,13 @@ def make_policy(spec: PolicySpec, placement: PlacementConfig) -> SessionPolicy:
     if spec.kind is PolicyKind.BOUND:
         raise ConfigError("the bound is computed, not replayed (replay.bound)")
     return PlacementPolicy(placement)
+
+
+def lognormal_forecaster(kind: PolicyKind) -> LogNormalGaps | None:
+    """What feeds ``PlacementPolicy`` for ``lognormal``, and for ``lognormal-tools`` (tool
+    waits counted); None for any other policy."""
+    if kind is PolicyKind.LOGNORMAL:
+        return LogNormalGaps()
+    if kind is PolicyKind.LOGNORMAL_TOOLS:
+        return LogNormalGaps(tools=ToolGaps())
+    return None

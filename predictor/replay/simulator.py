@@ -60,7 +60,6 @@ from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel
 from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionTracker
-from kvstore.predictor.placement.baselines import LogNormalGaps, ToolGaps
 from kvstore.predictor.placement.policy import (
     PlacementPolicy,
     SessionPolicy,
@@ -76,7 +75,12 @@ from kvstore.predictor.replay.costs import (
 )
 from kvstore.predictor.replay.engine import Admission, PrefillQueue, RequestCost
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
-from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, make_policy
+from kvstore.predictor.replay.policies import (
+    PolicyKind,
+    PolicySpec,
+    lognormal_forecaster,
+    make_policy,
+)
 from kvstore.predictor.replay.results import CallRecord, PolicyResult
 from kvstore.predictor.replay.scoring import IdlePeriod, score_periods
 from kvstore.predictor.replay.workload import Lane, Step, Workload, gap_after, nominal_idle
@@ -208,15 +212,6 @@ def replay_policy(
             return _Run(workload, spec, config, store, policy).run(progress)
 
 
-def _lognormal(kind: PolicyKind) -> LogNormalGaps | None:
-    """The forecaster of a ``lognormal`` replay, counting tool waits for ``lognormal-tools``."""
-    if kind is PolicyKind.LOGNORMAL:
-        return LogNormalGaps()
-    if kind is PolicyKind.LOGNORMAL_TOOLS:
-        return LogNormalGaps(tools=ToolGaps())
-    return None
-
-
 @contextlib.contextmanager
 def _one_torch_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
@@ -296,7 +291,7 @@ class _Run:
             _learner(config, self.horizons) if spec.kind is PolicyKind.PREDICTOR else None
         )
         self.blurred = self._blurred() if spec.auc is not None else None
-        self.lognormal = _lognormal(spec.kind)
+        self.lognormal = lognormal_forecaster(spec.kind)
         self.driver = SessionDriver(store, policy, self.learner)
         self.payload = bytes(self.namespace.layout.chunk_nbytes)
         self.block_bytes = HEADER_BYTES + self.namespace.layout.chunk_nbytes
