@@ -25,9 +25,18 @@ How this tier uses it, and why:
   they stay readable but point at pages LMDB may reuse for a later write, or
   unmap on close, so one must never escape. ``contains_many``, ``scan`` and the
   accounting read only lengths and headers, and never copy a payload.
-* **Map full is ``TierFull``, not a crash.** The map size is LMDB's hard wall.
-  ``MapFullError`` aborts the whole batch (nothing of it visible) and becomes
-  ``TierFull``, so the store evicts and retries; the environment stays usable.
+* **The map grows before it is full.** The map size is LMDB's hard wall, and
+  what the file holds besides the values depends on their size: blocks of a
+  few KiB cost a page or two of tree each, so a store kept under its capacity
+  can still fill a map sized for the values. ``MapFullError`` aborts the whole
+  batch (nothing of it visible); a map the tier sized itself is then doubled
+  (LMDB resizes only with no transaction open in the process, so new calls wait
+  for the ones in flight) and the batch runs again, up to
+  ``_MAP_GROWTH_LIMIT`` times the size it opened with. An operator's
+  ``map_size`` is a wall: a write past it is ``TierFull``, so the store evicts
+  and retries, and the environment stays usable. A delete needs pages too
+  (copy-on-write): at the wall a batch of them goes in halves, down to one key
+  a transaction, which always goes through, so eviction can always make room.
   A full disk (``DiskError``) aborts the batch the same way and becomes
   ``TierRefused``: the store keeps what it wanted to write elsewhere, and reads
   go on.
@@ -58,9 +67,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 import numpy as np
@@ -72,6 +82,7 @@ from kvstore.tiers import lmdb_directory
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
 from kvstore.tiers.kinds import TierKind
 
+_T = TypeVar("_T")
 logger = logging.getLogger(__name__)
 
 _NAME = TierKind.SSD.label
@@ -88,6 +99,10 @@ _DAMAGED = (
 # copy-on-write keeps alive while a reader still sees them.
 _MAP_OVERHEAD_RATIO = 1.25
 _MAP_OVERHEAD_FIXED = 64 * _MIB
+# How far a map the tier sized itself may grow: one entry of a value of 1 KiB
+# takes about two pages of 4 KiB, ten times ``_MAP_OVERHEAD_RATIO`` for a tier
+# of such blocks. Beyond it something other than small values fills the map.
+_MAP_GROWTH_LIMIT = 8
 # Entries per read transaction in ``scan``: a slow consumer of the iterator
 # must not pin a snapshot (a long-lived reader stops LMDB reusing pages).
 _SCAN_PAGE = 1024
@@ -133,8 +148,13 @@ class LMDBTier:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0
+        self._resizing = False
         path = Path(path)
-        map_size = map_size if map_size is not None else default_map_size(capacity_bytes)
+        if map_size is None:  # the tier's own guess, so it may grow (module docstring)
+            map_size = default_map_size(capacity_bytes)
+            self._map_limit = map_size * _MAP_GROWTH_LIMIT
+        else:
+            self._map_limit = map_size
         self._claim = lmdb_directory.claim(path)
         try:
             env = self._open(path, map_size, sync, max_readers)
@@ -191,18 +211,21 @@ class LMDBTier:
 
     def put_many(self, namespace: bytes, items: Sequence[tuple[ChunkKey, Block]]) -> None:
         lkeys = [_lmdb_key(namespace, key) for key, _ in items]
-        with self._session() as env:
-            if not lkeys:
+        if not lkeys:
+            with self._session():
                 return
+
+        def put(txn: lmdb.Transaction) -> int:
             delta = 0
-            with env.begin(write=True, buffers=True) as txn:
-                for lkey, (_, block) in zip(lkeys, items, strict=True):
-                    # Joined one at a time: a batch never exists twice in memory.
-                    value = block.to_bytes()
-                    old = txn.get(lkey)
-                    delta += len(value) - (len(old) if old is not None else 0)
-                    txn.put(lkey, value)
-            self._add_used(delta)
+            for lkey, (_, block) in zip(lkeys, items, strict=True):
+                # Joined one at a time: a batch never exists twice in memory.
+                value = block.to_bytes()
+                old = txn.get(lkey)
+                delta += len(value) - (len(old) if old is not None else 0)
+                txn.put(lkey, value)
+            return delta
+
+        self._add_used(self._write(put))
 
     def get_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         lkeys = [_lmdb_key(namespace, key) for key in keys]
@@ -235,18 +258,32 @@ class LMDBTier:
             return [txn.get(lkey) is not None for lkey in lkeys]
 
     def delete_many(self, namespace: bytes, keys: Sequence[ChunkKey]) -> int:
-        lkeys = [_lmdb_key(namespace, key) for key in keys]
-        with self._session() as env:
+        return self._delete([_lmdb_key(namespace, key) for key in keys])
+
+    def _delete(self, lkeys: list[bytes]) -> int:
+        """Delete ``lkeys`` in one transaction, or in halves where the map is too full
+        for it: a delete writes pages too, and each committed one frees pages the next
+        reuses, so one key at a time always goes through a map at its limit."""
+
+        def delete(txn: lmdb.Transaction) -> tuple[int, int]:
             deleted = freed = 0
-            with env.begin(write=True, buffers=True) as txn:
-                for lkey in lkeys:
-                    old = txn.get(lkey)
-                    if old is not None:
-                        freed += len(old)
-                        txn.delete(lkey)
-                        deleted += 1
-            self._add_used(-freed)
-            return deleted
+            for lkey in lkeys:
+                old = txn.get(lkey)
+                if old is not None:
+                    freed += len(old)
+                    txn.delete(lkey)
+                    deleted += 1
+            return deleted, freed
+
+        try:
+            deleted, freed = self._write(delete)
+        except TierFull as exc:
+            if len(lkeys) == 1:
+                raise TierRefused(_NAME, str(exc)) from exc
+            half = len(lkeys) // 2
+            return self._delete(lkeys[:half]) + self._delete(lkeys[half:])
+        self._add_used(-freed)
+        return deleted
 
     def scan(self) -> Iterator[StoredBlockInfo]:
         """Every stored block, in key order (so grouped by namespace).
@@ -304,13 +341,61 @@ class LMDBTier:
         with self._lock:
             self._used += delta
 
+    def _write(self, apply: Callable[[lmdb.Transaction], _T]) -> _T:
+        """``apply`` in one write transaction; while the map is full and may grow, grow
+        it and run the whole transaction again; ``TierFull`` at its limit."""
+        while True:
+            with self._session() as env:
+                try:
+                    with env.begin(write=True, buffers=True) as txn:
+                        return apply(txn)
+                except lmdb.MapFullError as exc:
+                    seen, error = env.info()["map_size"], exc
+            if not self._grow(seen):
+                raise TierFull(_NAME, f"LMDB map is full at {seen >> 20} MiB ({error})")
+
+    def _grow(self, seen: int) -> bool:
+        """Double the map that was ``seen`` full, up to its limit; ``False`` at the limit.
+
+        LMDB changes the map size only while the process has no transaction open: new
+        calls wait (``_session``) until the calls in flight are done. A writer that
+        found the map full while another grew it just runs again."""
+        with self._lock:
+            env = self._open_env()
+            current = env.info()["map_size"]
+            if current > seen:
+                return True
+            if current >= self._map_limit:
+                return False
+            size = min(2 * current, self._map_limit)
+            self._resizing = True
+            try:
+                while self._active:
+                    self._idle.wait()
+                if self._env is not env:
+                    raise TierUnavailable(_NAME, "tier is closed")
+                env.set_mapsize(size)
+            except lmdb.Error as exc:
+                raise TierUnavailable(_NAME, f"cannot grow the LMDB map: {exc}") from exc
+            finally:
+                self._resizing = False
+                self._idle.notify_all()
+        logger.info("LMDB map grown from %d to %d MiB", current >> 20, size >> 20)
+        return True
+
+    def _open_env(self) -> lmdb.Environment:
+        """The open environment once no resize is under way; under ``_lock``."""
+        while self._resizing:
+            self._idle.wait()
+        if self._env is None:
+            raise TierUnavailable(_NAME, "tier is closed")
+        return self._env
+
     @contextmanager
     def _session(self) -> Iterator[lmdb.Environment]:
         """The open environment for one call; translates LMDB errors at this boundary."""
         with self._lock:
-            env = self._env
-            if env is None:
-                raise TierUnavailable(_NAME, "tier is closed")
+            env = self._open_env()
             self._active += 1
         try:
             yield env

@@ -32,7 +32,6 @@ from kvstore.keys import KVLayout
 from kvstore.store.config import CostModel
 from kvstore.tiers.extents import PAGE_BYTES, round_up
 from kvstore.tiers.kinds import TierKind
-from kvstore.tiers.lmdb_tier import default_map_size
 
 LLAMA_8B_KV_BYTES_PER_TOKEN = 131072
 """Llama-3.1-8B, bf16: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes."""
@@ -87,17 +86,6 @@ def stand_in_capacity(kind: TierKind, slots: int, layout: KVLayout) -> int:
     if kind in (TierKind.HBM, TierKind.DRAM):
         return slots * round_up(block, PAGE_BYTES)
     return slots * block
-
-
-def stand_in_map_size(slots: int) -> int:
-    """The LMDB map for an SSD tier of ``slots`` stand-in blocks. A value of about 1 KiB
-    is small beside what LMDB keeps for each entry (its key, node and page headers,
-    pages a split left half empty, the pages copy-on-write keeps), so the map allows
-    two pages an entry rather than the values' length and a quarter
-    (``lmdb_tier.default_map_size``, made for blocks of megabytes): a tier that churns
-    through tens of thousands of stand-ins would otherwise fill its map, fail its
-    writes and deletes, and serve misses while its breaker is open."""
-    return default_map_size(slots * 2 * PAGE_BYTES)
 
 
 @dataclass(frozen=True)

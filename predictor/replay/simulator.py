@@ -71,7 +71,6 @@ from kvstore.predictor.replay.costs import (
     CostMeter,
     stand_in_capacity,
     stand_in_layout,
-    stand_in_map_size,
 )
 from kvstore.predictor.replay.engine import Admission, PrefillQueue, RequestCost
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
@@ -133,8 +132,7 @@ def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> S
             tiers.append(TierConfig(kind, capacity))
         elif kind is TierKind.SSD:
             lmdb = directory / "lmdb"
-            map_size = stand_in_map_size(slots)
-            tiers.append(TierConfig(kind, capacity, path=lmdb, sync=False, map_size_bytes=map_size))
+            tiers.append(TierConfig(kind, capacity, path=lmdb, sync=False))
         else:
             if config.redis_url is None:
                 raise ConfigError("a Redis tier needs a redis_url (tiers.local_redis starts one)")

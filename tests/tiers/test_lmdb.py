@@ -215,6 +215,96 @@ def test_map_full_is_tier_full_and_leaves_no_part_of_the_batch(tmp_path: Path) -
         tier.close()
 
 
+def _small_blocks(start: int, count: int) -> list[tuple[ChunkKey, Block]]:
+    """``count`` blocks of 2 KiB, keyed from ``start`` on: small beside what LMDB keeps
+    per entry (a page of their own each, and a place in the tree)."""
+    payload = memoryview(bytes(LAYOUT.chunk_nbytes))
+    keys = chunk_keys(NS, np.arange(start * NS.chunk_tokens, (start + count) * NS.chunk_tokens))
+    return [(key, encode_block(NS, key, None, payload)) for key in keys]
+
+
+def _churn(tier: LMDBTier, first: int, count: int, held: list[ChunkKey]) -> None:
+    """Write ``count`` small blocks from key ``first`` on, in batches, deleting the
+    oldest of ``held`` first whenever a batch would pass the capacity, as eviction does."""
+    batch = 256
+    for start in range(first, first + count, batch):
+        items = _small_blocks(start, batch)
+        while held and tier.used_bytes() + nbytes(items) > tier.capacity_bytes():
+            assert tier.delete_many(NS.digest, held[:batch]) == len(held[:batch])
+            del held[:batch]
+        tier.put_many(NS.digest, items)
+        held.extend(key for key, _ in items)
+
+
+def test_a_map_the_tier_sized_grows_when_small_blocks_fill_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Values kept under the capacity can still fill a map sized for them when they
+    are small: the tier doubles its map and runs the batch again, so a store that is
+    merely full never sees ``TierFull`` from the map, nor a delete fail."""
+    capacity = 96 << 20
+    slots = capacity // nbytes(_small_blocks(0, 1))
+    caplog.set_level("INFO", logger="kvstore.tiers.lmdb_tier")
+    tier = LMDBTier(tmp_path / "ssd", capacity, sync=False)
+    held: list[ChunkKey] = []
+    try:
+        _churn(tier, 0, int(1.5 * slots), held)
+        assert [r for r in caplog.records if "map grown" in r.getMessage()]
+        assert tier.used_bytes() <= capacity
+        assert all(tier.contains_many(NS.digest, held[-1000:]))
+        assert all(tier.contains_many(NS.digest, held[:1000]))
+    finally:
+        tier.close()
+    reopened = LMDBTier(tmp_path / "ssd", capacity, sync=False)  # the grown file opens
+    try:
+        assert reopened.used_bytes() == len(held) * nbytes(_small_blocks(0, 1))
+    finally:
+        reopened.close()
+
+
+def test_threads_keep_writing_while_the_map_grows(tmp_path: Path) -> None:
+    """Growing waits for every call in flight and holds new ones back; writers that
+    find the map full together grow it once between them, and none is lost."""
+    capacity = 96 << 20
+    per_thread = capacity // nbytes(_small_blocks(0, 1)) // 3
+    tier = LMDBTier(tmp_path / "ssd", capacity, sync=False)
+
+    def worker(thread: int) -> list[ChunkKey]:
+        held: list[ChunkKey] = []
+        _churn(tier, thread * per_thread * 2, per_thread, held)
+        assert all(tier.contains_many(NS.digest, held))
+        return held
+
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            held = [key for keys in pool.map(worker, range(4)) for key in keys]
+        assert tier.used_bytes() == len(held) * nbytes(_small_blocks(0, 1))
+        assert sum(1 for _ in tier.scan()) == len(held)
+    finally:
+        tier.close()
+
+
+def test_deletes_go_through_a_map_at_its_wall(tmp_path: Path) -> None:
+    """An operator's map size is a wall: writes past it are ``TierFull``. A delete
+    needs pages too, and a batch of them fails on a full map; the tier deletes it in
+    halves, so eviction can always make room again."""
+    tier = LMDBTier(tmp_path / "ssd", CAPACITY, map_size=1 << 20, sync=False)
+    held: list[ChunkKey] = []
+    try:
+        with pytest.raises(TierFull):
+            for start in range(0, 10_000, 4):
+                items = _small_blocks(start, 4)
+                tier.put_many(NS.digest, items)
+                held.extend(key for key, _ in items)
+        assert tier.delete_many(NS.digest, held) == len(held)
+        assert tier.used_bytes() == 0
+        assert sum(1 for _ in tier.scan()) == 0
+        tier.put_many(NS.digest, _small_blocks(0, 4))
+        assert all(tier.contains_many(NS.digest, held[:4]))
+    finally:
+        tier.close()
+
+
 def test_threads_put_and_get_distinct_keys(tier: LMDBTier) -> None:
     rounds, per_batch = 6, 4
 
