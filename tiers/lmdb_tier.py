@@ -37,9 +37,9 @@ How this tier uses it, and why:
   and retries, and the environment stays usable. A delete needs pages too
   (copy-on-write): at the wall a batch of them goes in halves, down to one key
   a transaction, which always goes through, so eviction can always make room.
-  A full disk (``DiskError``) aborts the batch the same way and becomes
-  ``TierRefused``: the store keeps what it wanted to write elsewhere, and reads
-  go on.
+  A full disk (``DiskError``, or EIO from a write that came up short with the
+  disk out of room) aborts the batch the same way and becomes ``TierRefused``:
+  the store keeps what it wanted to write elsewhere, and reads go on.
 * **One owner, damage moved aside** (``tiers.lmdb_directory``). A second
   kvstore process opening the directory fails at once; an environment LMDB
   cannot open or read is renamed out of the way and the tier starts empty.
@@ -65,7 +65,9 @@ writing the same environment is not counted until the next open.
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -103,6 +105,9 @@ _MAP_OVERHEAD_FIXED = 64 * _MIB
 # takes about two pages of 4 KiB, ten times ``_MAP_OVERHEAD_RATIO`` for a tier
 # of such blocks. Beyond it something other than small values fills the map.
 _MAP_GROWTH_LIMIT = 8
+# Free space below which an I/O error on a write means the disk is full: what is
+# left when a commit's pages no longer fit.
+_FULL_DISK_BYTES = 16 * _MIB
 # Entries per read transaction in ``scan``: a slow consumer of the iterator
 # must not pin a snapshot (a long-lived reader stops LMDB reusing pages).
 _SCAN_PAGE = 1024
@@ -149,7 +154,7 @@ class LMDBTier:
         self._idle = threading.Condition(self._lock)
         self._active = 0
         self._resizing = False
-        path = Path(path)
+        path = self._path = Path(path)
         if map_size is None:  # the tier's own guess, so it may grow (module docstring)
             map_size = default_map_size(capacity_bytes)
             self._map_limit = map_size * _MAP_GROWTH_LIMIT
@@ -383,6 +388,14 @@ class LMDBTier:
         logger.info("LMDB map grown from %d to %d MiB", current >> 20, size >> 20)
         return True
 
+    def _disk_is_full(self) -> bool:
+        """Whether the disk under the environment is out of room. LMDB reports a write
+        that came up short as EIO, which is how a disk that fills mid-commit answers."""
+        try:
+            return shutil.disk_usage(self._path).free < _FULL_DISK_BYTES
+        except OSError:
+            return False
+
     def _open_env(self) -> lmdb.Environment:
         """The open environment once no resize is under way; under ``_lock``."""
         while self._resizing:
@@ -404,6 +417,8 @@ class LMDBTier:
         except lmdb.DiskError as exc:  # the disk is full: reads still work
             raise TierRefused(_NAME, f"LMDB could not write: {exc}") from exc
         except lmdb.Error as exc:
+            if exc.code == errno.EIO and self._disk_is_full():
+                raise TierRefused(_NAME, f"LMDB could not write, disk full: {exc}") from exc
             raise TierUnavailable(_NAME, f"LMDB error: {exc}") from exc
         finally:
             with self._lock:

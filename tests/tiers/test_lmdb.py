@@ -20,10 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support import TESTS
+from support.filesystems import small_tmpfs
 
 from kvstore.block import Block, check_identity, encode_block, verify_block
-from kvstore.errors import TierError, TierFull, TierUnavailable
+from kvstore.errors import TierError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.store.guarded import GuardedTier
+from kvstore.store.stats import StoreStats
 from kvstore.tiers import lmdb_tier
 from kvstore.tiers.base import Tier
 from kvstore.tiers.kinds import TierKind
@@ -32,6 +35,12 @@ from kvstore.tiers.lmdb_tier import LMDBTier
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
 NS = Namespace("test-model", LAYOUT)
 OTHER_NS = Namespace("test-model", LAYOUT, tenant_salt="tenant-b")
+# 4 KiB blocks: LMDB writes each as pages of its own, and a disk that fills mid-write
+# comes up short (EIO) rather than out of space (ENOSPC).
+WIDE_NS = Namespace(
+    "wide-model",
+    KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16),
+)
 # 256 KiB blocks for the crash test, so a kill is likely to land inside a commit.
 BIG_NS = Namespace(
     "big-model",
@@ -215,12 +224,16 @@ def test_map_full_is_tier_full_and_leaves_no_part_of_the_batch(tmp_path: Path) -
         tier.close()
 
 
-def _small_blocks(start: int, count: int) -> list[tuple[ChunkKey, Block]]:
-    """``count`` blocks of 2 KiB, keyed from ``start`` on: small beside what LMDB keeps
-    per entry (a page of their own each, and a place in the tree)."""
-    payload = memoryview(bytes(LAYOUT.chunk_nbytes))
-    keys = chunk_keys(NS, np.arange(start * NS.chunk_tokens, (start + count) * NS.chunk_tokens))
-    return [(key, encode_block(NS, key, None, payload)) for key in keys]
+def _small_blocks(
+    start: int, count: int, namespace: Namespace = NS
+) -> list[tuple[ChunkKey, Block]]:
+    """``count`` blocks of zeros (2 KiB in ``NS``), keyed from ``start`` on: small beside
+    what LMDB keeps per entry (a page of their own each, and a place in the tree)."""
+    payload = memoryview(bytes(namespace.layout.chunk_nbytes))
+    tokens = np.arange(start * namespace.chunk_tokens, (start + count) * namespace.chunk_tokens)
+    return [
+        (key, encode_block(namespace, key, None, payload)) for key in chunk_keys(namespace, tokens)
+    ]
 
 
 def _churn(tier: LMDBTier, first: int, count: int, held: list[ChunkKey]) -> None:
@@ -303,6 +316,42 @@ def test_deletes_go_through_a_map_at_its_wall(tmp_path: Path) -> None:
         assert all(tier.contains_many(NS.digest, held[:4]))
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("namespace", [NS, WIDE_NS], ids=["2KiB-ENOSPC", "4KiB-EIO"])
+def test_a_full_disk_refuses_writes_and_the_tier_stays_up(
+    tmp_path: Path, namespace: Namespace
+) -> None:
+    """LMDB reports a commit the disk had no room for as ENOSPC, or, when the write
+    came up short (blocks of a page and more), as EIO. Either is a refused write on a
+    full disk (``TierRefused``: the guard counts it and trips nothing), not a tier that
+    is down: what was written reads back, and deletes make room again. Pages a commit
+    frees are reused from the commit after next on, so it takes two."""
+    with small_tmpfs(tmp_path / "disk", 512 << 10) as disk:
+        tier = LMDBTier(disk / "ssd", CAPACITY, sync=False)
+        guarded = GuardedTier(tier, StoreStats().tier(TierKind.SSD), threading.RLock())
+        held: list[tuple[ChunkKey, Block]] = []
+        try:
+            for start in range(0, 4096, 8):
+                items = _small_blocks(start, 8, namespace)
+                if not guarded.put_many(namespace.digest, items):
+                    break
+                held.extend(items)
+            else:
+                pytest.fail("the disk never filled: the test proves nothing")
+            with pytest.raises(TierRefused):
+                tier.put_many(namespace.digest, _small_blocks(start, 8, namespace))
+            assert guarded.breaker.trips == 0
+            keys = [key for key, _ in held]
+            found = guarded.get_many(namespace.digest, keys)
+            assert found == [block.to_bytes() for _, block in held]
+            half = len(keys) // 2
+            assert guarded.delete_many(namespace.digest, keys[:half]) == half
+            assert guarded.delete_many(namespace.digest, keys[half:]) == len(keys) - half
+            assert guarded.put_many(namespace.digest, held[:8])
+            assert guarded.breaker.trips == 0
+        finally:
+            tier.close()
 
 
 def test_threads_put_and_get_distinct_keys(tier: LMDBTier) -> None:
