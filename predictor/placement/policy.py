@@ -54,9 +54,9 @@ touched it. ``victims(tier)`` ranks sessions by the chance that they are back
 while a block kept in that tier would stay there (the tier's measured mean
 residence before eviction, at most its horizon), ties by the chance that they
 come back at all, then least recently touched first; a session's blocks go
-tail first. Only leaves go: a block with a child in the same tier stays, so a
-cached prefix stays a prefix and a system prompt shared by every session
-outlives the chains that extend it, whoever touched it last. Blocks of
+tail first. Only leaves go (``placement.prefix_tree``): a block with a child in the
+same tier stays, so a cached prefix stays a prefix and a system prompt shared by
+every session outlives the chains that extend it, whoever touched it last. Blocks of
 running sessions rank last; blocks no session touched rank first, LRU.
 
 Ownership, not membership, decides what a session's idle placement moves, so
@@ -86,6 +86,7 @@ from kvstore.predictor.placement.hooks import (
     perfect_forecast,
     session_namespace,
 )
+from kvstore.predictor.placement.prefix_tree import PrefixTree
 from kvstore.predictor.placement.ranking import GapShape, Rank, TierRanking
 from kvstore.store.eviction import LRUPolicy
 from kvstore.store.tiered_store import TieredStore
@@ -211,10 +212,8 @@ class PlacementPolicy:
         self._entered: dict[TierKind, dict[ChunkKey, float]] = {kind: {} for kind in TierKind}
         self._residence: dict[TierKind, float] = {}  # mean stay before eviction, per tier
         self._moving: set[ChunkKey] = set()  # keys idle placement is moving right now
-        self._parent: dict[ChunkKey, ChunkKey] = {}  # from session chains
+        self._prefixes = PrefixTree()  # leaves go first in each tier
         self._store: TieredStore | None = None  # the store the hooks were last called with
-        self._linked: dict[TierKind, dict[ChunkKey, ChunkKey]] = {k: {} for k in TierKind}
-        self._children: dict[TierKind, dict[ChunkKey, int]] = {k: {} for k in TierKind}
         # Eviction logging: the keys the last walk of each tier offered (``victims``),
         # and the records of what left at ``_now``, by (session, from, to) (``_evicted``).
         self._offered: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
@@ -234,7 +233,7 @@ class PlacementPolicy:
         for key in keys:
             if key not in entered:
                 entered[key] = self._now
-                self._count_child(tier, key)
+                self._prefixes.entered(tier, key)
             if prefetched and key in prefetched:
                 prefetched.discard(key)
                 self.prefetches.used += 1
@@ -291,12 +290,7 @@ class PlacementPolicy:
             if owner is not None:
                 self._evicted(tier, key, owner)
         ranking.remove(key)
-        parent = self._linked[tier].pop(key, None)
-        if parent is not None:
-            children = self._children[tier]
-            children[parent] -= 1
-            if not children[parent]:
-                del children[parent]
+        self._prefixes.left(tier, key)
         since = self._entered[tier].pop(key, None)
         if since is not None and key not in self._moving:
             stay = self._now - since
@@ -311,7 +305,7 @@ class PlacementPolicy:
             self.prefetches.wasted += 1
         if not any(key in entered for entered in self._entered.values()):
             self._owner.pop(key, None)
-            self._parent.pop(key, None)
+            self._prefixes.forget(key)
 
     def _evicted(self, tier: TierKind, key: ChunkKey, owner: str) -> None:
         """Count ``key`` of session ``owner`` as evicted from ``tier`` to the fastest tier
@@ -338,20 +332,11 @@ class PlacementPolicy:
         evictions[(owner, tier, to)] = self._decide(session, Action.EVICT, tier, to, 1, why)
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
-        """Leaves only: a block with a child in the same tier stays, so a shared prefix
-        outlives every chain that extends it, whoever touched it last. A block whose
-        children were all offered earlier in the same walk counts as a leaf: a chain
-        goes tail first, so one walk can free a whole chain, not only its tail (the
-        store skips a pinned block, and a request pins its whole prefix with it)."""
-        children, parents = self._children[tier], self._linked[tier]
+        """Blocks no session touched, then sessions' blocks in rank order, leaves only
+        (``PrefixTree.leaves``)."""
         walked = self._offered[tier] = set()  # what leaves of it is logged (``on_remove``)
-        offered: dict[ChunkKey, int] = {}  # children of each block offered in this walk
-        for key in itertools.chain(self._anonymous.victims(tier), self._tiers[tier].victims()):
-            if children.get(key, 0) > offered.get(key, 0):
-                continue
-            parent = parents.get(key)
-            if parent is not None:
-                offered[parent] = offered.get(parent, 0) + 1
+        order = itertools.chain(self._anonymous.victims(tier), self._tiers[tier].victims())
+        for key in self._prefixes.leaves(tier, order):
             walked.add(key)
             yield key
 
@@ -371,25 +356,6 @@ class PlacementPolicy:
                 return kind
         return slower[-1] if slower else None
 
-    def _link(self, chain: Sequence[ChunkKey]) -> None:
-        """Learn the parent of every key of ``chain`` (a key names its whole prefix, so
-        its parent never changes), and count it where the key is already held."""
-        for parent, key in itertools.pairwise(chain):
-            if key in self._parent:
-                continue
-            self._parent[key] = parent
-            for tier, entered in self._entered.items():
-                if key in entered:
-                    self._count_child(tier, key)
-
-    def _count_child(self, tier: TierKind, key: ChunkKey) -> None:
-        parent = self._parent.get(key)
-        linked = self._linked[tier]
-        if parent is not None and key not in linked:
-            linked[key] = parent
-            children = self._children[tier]
-            children[parent] = children.get(parent, 0) + 1
-
     # -- session hooks -----------------------------------------------------
 
     def on_idle(
@@ -402,7 +368,7 @@ class PlacementPolicy:
         self._forecast(session, forecast, now)
         session.state = state
         session.target = None
-        self._link(state.chain)
+        self._prefixes.learn(state.chain, self._entered)
         return self._place(store, session, now, fresh=True)
 
     def on_forecast(
@@ -433,7 +399,7 @@ class PlacementPolicy:
         session.active = True
         session.state = state
         session.epoch += 1
-        self._link(state.chain)
+        self._prefixes.learn(state.chain, self._entered)
         self._rerank(session)
         self._prefetch(store, session, store.tier_kinds[0], _RESUMED)
 
