@@ -44,7 +44,7 @@ from kvstore.keys import Namespace
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call
 from kvstore.predictor.replay.costs import stand_in_layout
-from kvstore.predictor.replay.simulator import ChunkChains
+from kvstore.predictor.replay.replay_store import ChunkChains
 from kvstore.predictor.replay.workload import Step, Workload, nominal_seconds
 from kvstore.tiers.kinds import TierKind
 

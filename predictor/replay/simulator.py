@@ -18,7 +18,7 @@ the instant it went idle is seen idle first. A group of subagents starts as
 its step comes; they run as sessions of their own and the parent's next call
 waits until the last of them has finished.
 
-What is real: the store (an HBM tier on ``device="cpu"``, a shared-memory
+What is real: the store (``replay_store``: an HBM tier on ``device="cpu"``, a shared-memory
 DRAM arena, LMDB in a temporary directory with ``sync=False``, a private
 redis-server with ``--redis-gb``), its placement mechanics, the policy code,
 the tracker, the features, the model and its online learning. What is
@@ -40,7 +40,6 @@ store; ``replay.parallel`` runs several policies at once, in worker processes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import heapq
 import itertools
 import math
@@ -52,8 +51,7 @@ from pathlib import Path
 import torch
 
 from kvstore.block import HEADER_BYTES
-from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, Namespace, external_keys
+from kvstore.keys import ChunkKey, Namespace
 from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.learning.features import feature_names
 from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel
@@ -80,13 +78,12 @@ from kvstore.predictor.replay.policies import (
     lognormal_forecaster,
     make_policy,
 )
+from kvstore.predictor.replay.replay_store import ChunkChains, store_config
 from kvstore.predictor.replay.results import CallRecord, PolicyResult
 from kvstore.predictor.replay.scoring import IdlePeriod, score_periods
 from kvstore.predictor.replay.workload import Lane, Step, Workload, gap_after, nominal_idle
-from kvstore.store.config import StoreConfig
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
-from kvstore.tiers.registry import TierConfig
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 # -- the nominal timeline -------------------------------------------------------------
@@ -115,40 +112,6 @@ def idle_gaps(workload: Workload, config: ReplayConfig) -> list[float]:
     return [gap for _, gap in nominal_idle(workload, config.max_requests) if gap < math.inf]
 
 
-# -- the store under replay ---------------------------------------------------------
-
-
-def _store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> StoreConfig:
-    layout = stand_in_layout(chunk_tokens)
-    tiers = []
-    for kind in TierKind:
-        slots = config.sizing.slots(kind, chunk_tokens, config.kv_bytes_per_token)
-        if slots <= 0:
-            continue
-        capacity = stand_in_capacity(kind, slots, layout)
-        if kind is TierKind.HBM:
-            tiers.append(TierConfig(kind, capacity, device="cpu"))
-        elif kind is TierKind.DRAM:
-            tiers.append(TierConfig(kind, capacity))
-        elif kind is TierKind.SSD:
-            lmdb = directory / "lmdb"
-            tiers.append(TierConfig(kind, capacity, path=lmdb, sync=False))
-        else:
-            if config.redis_url is None:
-                raise ConfigError("a Redis tier needs a redis_url (tiers.local_redis starts one)")
-            prefix = f"kvs-replay-{directory.name}"
-            # One host's overflow, kept within --redis-gb by the store: write-back.
-            tiers.append(
-                TierConfig(kind, capacity, url=config.redis_url, key_prefix=prefix, write="back")
-            )
-    if not tiers or tiers[0].kind is not TierKind.HBM:
-        raise ConfigError("the engine model needs an HBM tier: give --hbm-gb")
-    costs = dataclasses.replace(config.costs, kv_bytes_per_token=config.kv_bytes_per_token)
-    return StoreConfig(
-        tiers=tuple(tiers), promote_on_hit=True, scan_on_open=False, data_dir=directory, costs=costs
-    )
-
-
 def _learner(config: ReplayConfig, horizons: tuple[float, ...]) -> OnlineLearner:
     tracker = SessionTracker()
     if config.model_path is not None:
@@ -160,36 +123,6 @@ def _learner(config: ReplayConfig, horizons: tuple[float, ...]) -> OnlineLearner
                 len(feature_names()), horizons, config.model_hidden, rehearsal=config.rehearsal
             )
     return OnlineLearner(model, tracker, PrequentialScores())
-
-
-class ChunkChains:
-    """A call's block ids as the chunk keys of one namespace: ``chunk_blocks`` ids a
-    chunk, each keyed by every id before and in it (interned, so a chunk is hashed
-    once however many calls share it)."""
-
-    def __init__(self, namespace: Namespace, chunk_blocks: int) -> None:
-        self.namespace = namespace
-        self.chunk_blocks = chunk_blocks
-        self._ids: dict[tuple[int, tuple[str, ...]], int] = {}
-        self._keys: list[ChunkKey] = []
-
-    def of(self, call: Call) -> list[ChunkKey]:
-        return [self._keys[chunk] for chunk in self.ids(call)]
-
-    def ids(self, call: Call) -> list[int]:
-        """The call's chunks as small integers, one per distinct prefix."""
-        size = self.chunk_blocks
-        chunks: list[int] = []
-        parent = -1
-        for end in range(size, len(call.blocks) + 1, size):
-            link = (parent, call.blocks[end - size : end])
-            chunk = self._ids.get(link)
-            if chunk is None:
-                chunk = self._ids[link] = len(self._keys)
-                self._keys.append(external_keys(self.namespace, [chunk])[0])
-            chunks.append(chunk)
-            parent = chunk
-        return chunks
 
 
 # -- the replay ------------------------------------------------------------------
@@ -204,9 +137,9 @@ def replay_policy(
     would give other numbers in and out of ``--jobs``."""
     chunk_tokens = workload.block_tokens * config.chunk_blocks
     with _one_torch_thread(), tempfile.TemporaryDirectory(prefix="kvstore-replay-") as directory:
-        store_config = _store_config(config, chunk_tokens, Path(directory))
+        stand_ins = store_config(config, chunk_tokens, Path(directory))
         policy = make_policy(spec, config.placement)
-        with TieredStore(store_config, policy=policy) as store:
+        with TieredStore(stand_ins, policy=policy) as store:
             return _Run(workload, spec, config, store, policy).run(progress)
 
 
