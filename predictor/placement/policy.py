@@ -12,8 +12,9 @@ A policy here is two things at once:
 ``PlacementPolicy`` (the predictor's) reads a ``ReturnForecast`` (P(back within
 each horizon), made when the session went idle) again as idle time ``e``
 passes: P(back within ``H`` more seconds | not back after ``e``) =
-(F(e + H) - F(e)) / (1 - F(e)). Between its horizons F is shaped like the
-idle gaps seen so far (``GapShape``); beyond the last one it stays flat.
+(F(e + H) - F(e)) / (1 - F(e)) (``ranking.IdleForecast``). Between its horizons F
+is shaped like the idle gaps seen so far (``GapShape``); beyond the last one it
+stays flat.
 
 Idle placement. Each tier has a horizon (HBM 1 min, DRAM 10 min, SSD 1 h,
 Redis 4 h) and a keep threshold::
@@ -87,7 +88,7 @@ from kvstore.predictor.placement.hooks import (
     session_namespace,
 )
 from kvstore.predictor.placement.prefix_tree import PrefixTree
-from kvstore.predictor.placement.ranking import GapShape, Rank, TierRanking
+from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank, TierRanking
 from kvstore.store.eviction import LRUPolicy
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
@@ -146,11 +147,9 @@ class _Session:
     name: str
     active: bool = False
     idle_since: float = 0.0
-    forecast: Forecast | None = None
-    forecast_at: float = 0.0  # when its forecast was made: at idle, or later again
+    forecast: IdleForecast | None = None  # made at idle, or later again
     state: IdleSession | None = None
     target: TierKind | None = None  # the tier its forecast called for at the last look
-    levels: tuple[tuple[float, float], ...] = ()  # (horizon, P(back within it)) at idle
     epoch: int = 0  # bumped at every idle and resume, so stale checks are skipped
     touched: int = 0  # recency: a counter bumped at every access
     score: dict[TierKind, tuple[float, float]] = field(default_factory=dict)
@@ -383,11 +382,7 @@ class PlacementPolicy:
         self._place(store, session, now, fresh=True)
 
     def _forecast(self, session: _Session, forecast: Forecast | None, now: float) -> None:
-        session.forecast = forecast
-        session.forecast_at = now
-        session.levels = (
-            tuple((h, forecast.within(h)) for h in forecast.horizons) if forecast else ()
-        )
+        session.forecast = IdleForecast.made(forecast, now) if forecast else None
         session.epoch += 1
 
     def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
@@ -552,9 +547,10 @@ class PlacementPolicy:
         why: Why,
     ) -> Decision:
         """Log a decision on ``session``'s chain, with the forecast it was made by."""
-        forecast_at = session.forecast_at if session.forecast is not None else None
+        forecast = session.forecast
+        levels, forecast_at = (forecast.levels, forecast.at) if forecast else ((), None)
         decision = Decision(
-            self._now, session.name, action, source, to, chunks, why, session.levels, forecast_at
+            self._now, session.name, action, source, to, chunks, why, levels, forecast_at
         )
         self.decisions.record(decision)
         return decision
@@ -573,26 +569,7 @@ class PlacementPolicy:
         """P(back within ``seconds`` from ``now`` | not back yet), from its forecast."""
         if session.forecast is None:
             return 0.0
-        elapsed = max(0.0, now - session.forecast_at)
-        before = self._within(session, elapsed)
-        rest = 1.0 - before
-        if rest <= 1e-9:
-            return 0.0
-        return max(0.0, (self._within(session, elapsed + seconds) - before) / rest)
-
-    def _within(self, session: _Session, seconds: float) -> float:
-        """The session's forecast at its horizons, shaped between them by ``GapShape``."""
-        forecast = session.forecast
-        assert forecast is not None
-        low, p_low = 0.0, 0.0
-        for high, p_high in session.levels:
-            if seconds <= high:
-                share = self.gaps.share(low, high, seconds)
-                if share is None:
-                    return forecast.within(seconds)
-                return p_low + (p_high - p_low) * share
-            low, p_low = high, p_high
-        return p_low if session.levels else forecast.within(seconds)
+        return session.forecast.chance(seconds, now, self.gaps)
 
     def stay(self, kind: TierKind) -> float:
         """How long a block kept in ``kind`` now is likely to stay: the tier's mean

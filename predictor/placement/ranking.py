@@ -1,10 +1,12 @@
-"""Eviction order inside one tier, and where between two horizons returns fall.
+"""Eviction order inside one tier, and how a forecast reads as idle time grows.
 
 ``TierRanking`` keeps the sessions holding blocks in a tier sorted by their
 chance of coming back soon (``PlacementPolicy`` computes the ranks), and their
-blocks in chain order so a chain loses its tail first. ``GapShape`` is the
-histogram of idle gaps that ended in a return, which the policy reads a
-forecast through between its horizons.
+blocks in chain order so a chain loses its tail first. ``IdleForecast`` is the
+chance itself: a forecast made when a session went idle, read after ``e``
+seconds of idleness as P(back within ``H`` more | not back yet) =
+(F(e + H) - F(e)) / (1 - F(e)), with F shaped between the forecast's horizons
+by ``GapShape``, the histogram of idle gaps that ended in a return.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import bisect
 import itertools
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvstore.keys import ChunkKey
+from kvstore.predictor.placement.hooks import Forecast
 
 Rank = tuple[float, float, int]
 """One session's place in a tier's eviction order: (p within horizon, p at all, recency)."""
@@ -56,6 +60,43 @@ class GapShape:
         if total < self.min_samples:
             return None
         return min(1.0, max(0.0, (self.count(seconds) - below) / total))
+
+
+@dataclass(frozen=True)
+class IdleForecast:
+    """A session's forecast as its idle time grows (module docstring); ``at``: when it
+    was made, ``levels``: (horizon, P(back within it)) at each of its horizons."""
+
+    forecast: Forecast
+    at: float
+    levels: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def made(cls, forecast: Forecast, at: float) -> IdleForecast:
+        return cls(forecast, at, tuple((h, forecast.within(h)) for h in forecast.horizons))
+
+    def chance(self, seconds: float, now: float, gaps: GapShape) -> float:
+        """P(back within ``seconds`` from ``now`` | not back yet)."""
+        elapsed = max(0.0, now - self.at)
+        before = self.within(elapsed, gaps)
+        rest = 1.0 - before
+        if rest <= 1e-9:
+            return 0.0
+        return max(0.0, (self.within(elapsed + seconds, gaps) - before) / rest)
+
+    def within(self, seconds: float, gaps: GapShape) -> float:
+        """P(back within ``seconds`` of ``at``): the forecast at its horizons, shaped
+        between them by ``gaps`` once they hold enough returns there, flat beyond the
+        last."""
+        low, p_low = 0.0, 0.0
+        for high, p_high in self.levels:
+            if seconds <= high:
+                share = gaps.share(low, high, seconds)
+                if share is None:
+                    return self.forecast.within(seconds)
+                return p_low + (p_high - p_low) * share
+            low, p_low = high, p_high
+        return p_low if self.levels else self.forecast.within(seconds)
 
 
 class TierRanking:
