@@ -32,8 +32,7 @@ def store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> St
         elif kind is TierKind.DRAM:
             tiers.append(TierConfig(kind, capacity))
         elif kind is TierKind.SSD:
-            lmdb = directory / "lmdb"
-            tiers.append(TierConfig(kind, capacity, path=lmdb, sync=False))
+            tiers.append(TierConfig(kind, capacity, path=directory / "lmdb", sync=False))
         else:
             if config.redis_url is None:
                 raise ConfigError("a Redis tier needs a redis_url (tiers.local_redis starts one)")
@@ -48,7 +47,6 @@ def store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> St
     return StoreConfig(
         tiers=tuple(tiers), promote_on_hit=True, scan_on_open=False, data_dir=directory, costs=costs
     )
-
 
 
 class ChunkChains:

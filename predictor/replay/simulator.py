@@ -18,9 +18,9 @@ the instant it went idle is seen idle first. A group of subagents starts as
 its step comes; they run as sessions of their own and the parent's next call
 waits until the last of them has finished.
 
-What is real: the store (``replay_store``: an HBM tier on ``device="cpu"``, a shared-memory
-DRAM arena, LMDB in a temporary directory with ``sync=False``, a private
-redis-server with ``--redis-gb``), its placement mechanics, the policy code,
+What is real: the store (``replay_store``: an HBM tier on ``device="cpu"``, a
+shared-memory DRAM arena, LMDB in a temporary directory with ``sync=False``, a
+private redis-server with ``--redis-gb``), its placement mechanics, the policy code,
 the tracker, the features, the model and its online learning. What is
 modeled: payload bytes (tiny stand-ins, ``costs.stand_in_layout``), time, and
 every cost (``engine``, ``costs``). Trace block ids are grouped into chunks of
