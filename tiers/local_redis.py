@@ -148,6 +148,20 @@ def _complete(reply: bytes) -> bool:
     return length < 0 or len(rest) >= length + 2
 
 
+def _replication(info: bytes) -> tuple[int, list[int]]:
+    """A master's ``INFO replication``: its replication offset, and the offset each
+    connected replica acknowledged (``slave0:ip=...,offset=N,lag=0``)."""
+    offset, acked = -1, []
+    for line in info.decode().splitlines():
+        name, _, value = line.partition(":")
+        if name == "master_repl_offset":
+            offset = int(value)
+        elif name.startswith("slave") and name[5:].isdigit():
+            fields = dict(field.partition("=")[::2] for field in value.split(","))
+            acked.append(int(fields["offset"]))
+    return offset, acked
+
+
 class RedisServer:
     """One ``redis-server`` on a loopback port (or on ``host``, an address of this
     machine), restartable on the same port.
@@ -470,6 +484,22 @@ class RedisCluster:
         """A running replica of ``master``."""
         master_id = self.role(master).node_id
         return next(n for n in self._running() if self.role(n).master_id == master_id)
+
+    def wait_replicated(self, master: RedisServer, timeout_s: float = 30.0) -> None:
+        """Wait until ``master``'s replicas have acknowledged all it has written so far.
+
+        ``WAIT`` cannot say so here: it counts the replicas that acknowledged the
+        *calling connection's* last write, and ``command`` opens a fresh connection
+        that wrote nothing, so it answers at once even with the replica stopped.
+        The master's ``INFO replication`` can: its offset now, and the offset each
+        replica acknowledged (replicas acknowledge once a second)."""
+        written = _replication(self._ask(master, "INFO", "replication"))[0]
+
+        def acknowledged() -> bool:
+            _, acked = _replication(self._ask(master, "INFO", "replication"))
+            return len(acked) >= self.replicas and all(offset >= written for offset in acked)
+
+        self._wait(f"the replicas of port {master.port} fell behind", acknowledged, timeout_s)
 
     def fail_over(self, master: RedisServer, timeout_s: float = 30.0) -> RedisServer:
         """SIGKILL ``master``; wait until its replica has taken over and every running

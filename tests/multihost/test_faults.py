@@ -78,6 +78,7 @@ def test_a_master_killed_under_load_costs_its_keys_misses_never_a_wrong_block(
         loop = ReadLoop(on_b, namespace, chains, watched, max_s=FAILOVER_RECOVERY_LIMIT_S + 15)
         with reading(loop):
             assert loop.wait_for(lambda reads: len(reads) >= BASELINE_READS, 10)
+            shared_cluster.wait_replicated(victim)  # the promoted replica has the keys
             killed_at = time.monotonic()
             shared_cluster.fail_over(victim)
             promoted_s = time.monotonic() - killed_at

@@ -430,10 +430,7 @@ def test_cluster_serves_a_dead_masters_slots_from_its_promoted_replica(
         victim = cluster.masters()[0]
         held = [cluster.port_for_key(redis_key(NS, k)) == victim.port for k in keys]
         assert any(held)
-        # Replicated before the kill: the replica acknowledged the writes (a few tries
-        # of 5 s, as a loaded machine may keep the replica from answering in time).
-        acked = (victim.command("WAIT", "1", "5000").strip() for _ in range(3))
-        assert b":1" in acked, "the replica never acknowledged the writes"
+        cluster.wait_replicated(victim)  # what the kill must not lose
         killed = time.monotonic()
         cluster.fail_over(victim)
         first = tier.get_many(NS.digest, keys)  # the dead address fails: its breaker opens
@@ -445,6 +442,30 @@ def test_cluster_serves_a_dead_masters_slots_from_its_promoted_replica(
             assert time.monotonic() < deadline, "the promoted replica's keys never came back"
             time.sleep(0.1)
         assert tier.contains_many(NS.digest, keys) == [True] * len(keys)
+
+
+@pytest.mark.cluster
+def test_local_cluster_waits_until_the_replica_has_the_writes(tmp_path) -> None:
+    """The failover tests kill a master only once its replica holds what it wrote;
+    ``WAIT`` on a fresh connection would have answered at once, replica stopped or not."""
+    with RedisCluster(tmp_path / "cluster", replicas=1) as cluster:
+        master = cluster.masters()[0]
+        replica = cluster.replica_of(master)
+        key = next(
+            k
+            for k in (f"k{i}".encode() for i in range(1000))
+            if cluster.port_for_key(k) == master.port
+        )
+        replica.pause()
+        try:
+            assert master.command("SET", key, "1").startswith(b"+OK")
+            assert master.command("WAIT", "1", "100").strip() == b":1"  # says nothing
+            with pytest.raises(TierUnavailable, match="fell behind"):
+                cluster.wait_replicated(master, timeout_s=1.5)
+        finally:
+            replica.resume()
+        cluster.wait_replicated(master)
+        assert replica.command("DBSIZE").strip() == b":1"
 
 
 @pytest.mark.cluster
