@@ -24,6 +24,11 @@ a cached *prefix*) can make a policy cheaper than that. With perfect prefetch
 every access found anywhere costs ``c_HBM`` (the copy ran ahead of the call):
 ``h3 c_HBM + (N - h3) c_R``, a bound on a policy that may prefetch for free.
 
+The floor. Whatever the tiers hold, each block's first access and every prompt's
+tail are recomputed: ``floor = F c_R + tail`` (``F`` first accesses), which every
+policy spends at any capacity. Only what a policy spends above it is placement's
+to save; on the agentic traces the floor is most of every policy's GPU-seconds.
+
 It counts every call (``score_from`` does not apply: MIN maximises the hits
 of the whole sequence, not of a part of it). What the bound assumes: the
 calls in nominal order. A closed-loop replay
@@ -37,6 +42,7 @@ default rates it does not.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +63,7 @@ class Bound:
 
     gpu_seconds: float
     gpu_seconds_prefetch: float
+    floor_gpu_seconds: float
     calls: int
     accesses: int
     first_accesses: int
@@ -66,6 +73,7 @@ class Bound:
         return {
             "gpu_seconds": self.gpu_seconds,
             "gpu_seconds_prefetch": self.gpu_seconds_prefetch,
+            "floor_gpu_seconds": self.floor_gpu_seconds,
             "calls": self.calls,
             "accesses": self.accesses,
             "first_accesses": self.first_accesses,
@@ -143,17 +151,51 @@ def _next_uses(accesses: Sequence[int]) -> list[int]:
     return upcoming
 
 
+@dataclass(frozen=True)
+class _Accesses:
+    """The chunk accesses of the calls in nominal order, and the tokens past their chunks."""
+
+    calls: int
+    chunks: list[int]
+    chunk_tokens: int
+    tail_tokens: int
+
+    @staticmethod
+    def of(workload: Workload, config: ReplayConfig) -> _Accesses:
+        chunk_tokens = workload.block_tokens * config.chunk_blocks
+        layout = stand_in_layout(chunk_tokens)
+        chains = ChunkChains(Namespace("bound", layout), config.chunk_blocks)
+        accesses: list[int] = []
+        tail_tokens = 0
+        calls = nominal_calls(workload)[: config.max_requests]
+        for _, call in calls:
+            chunks = chains.ids(call)
+            accesses += chunks
+            tail_tokens += call.prompt_tokens - len(chunks) * chunk_tokens
+        return _Accesses(len(calls), accesses, chunk_tokens, tail_tokens)
+
+    @property
+    def first(self) -> int:
+        return len(set(self.chunks))
+
+    def floor(self, config: ReplayConfig) -> float:
+        tokens = self.first * self.chunk_tokens + self.tail_tokens
+        return config.costs.recompute_seconds(tokens)
+
+
+def placement_floor(workload: Workload, config: ReplayConfig) -> float | None:
+    """The GPU-seconds every policy spends on ``workload`` at any capacity (the floor in
+    the module docstring), without ``offline_bound``'s MIN runs. None when the replay
+    charges only the calls from ``score_from`` on: the floor counts every call."""
+    if math.isfinite(config.score_from):
+        return None
+    return _Accesses.of(workload, config).floor(config)
+
+
 def offline_bound(workload: Workload, config: ReplayConfig) -> Bound:
     """The bound on ``workload`` at ``config``'s sizing and costs (module docstring)."""
-    chunk_tokens = workload.block_tokens * config.chunk_blocks
-    chains = ChunkChains(Namespace("bound", stand_in_layout(chunk_tokens)), config.chunk_blocks)
-    accesses: list[int] = []
-    tail_tokens = 0
-    calls = nominal_calls(workload)[: config.max_requests]
-    for _, call in calls:
-        chunks = chains.ids(call)
-        accesses += chunks
-        tail_tokens += call.prompt_tokens - len(chunks) * chunk_tokens
+    seen = _Accesses.of(workload, config)
+    accesses, chunk_tokens, tail_tokens = seen.chunks, seen.chunk_tokens, seen.tail_tokens
     costs, per_token = config.costs, config.kv_bytes_per_token
     recompute = costs.recompute_seconds(chunk_tokens)
     load = {
@@ -178,8 +220,9 @@ def offline_bound(workload: Workload, config: ReplayConfig) -> Bound:
     return Bound(
         gpu_seconds=demand + tail,
         gpu_seconds_prefetch=prefetch + tail,
-        calls=len(calls),
+        floor_gpu_seconds=seen.floor(config),
+        calls=seen.calls,
         accesses=total,
-        first_accesses=len(set(accesses)),
+        first_accesses=seen.first,
         hits=hits,
     )

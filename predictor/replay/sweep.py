@@ -8,6 +8,11 @@ with the best baseline of the same cell:
 
     saves = 1 - predictor / best baseline   (GPU-seconds)
     headroom = 1 - bound / best baseline    (what any policy could still save)
+    saves above the floor = (best baseline - predictor) / (best baseline - floor)
+
+The last is the share of what placement can change at all (``bound``'s floor: first
+accesses and prompt tails, spent at any capacity) that the predictor saves; where the
+floor is most of every policy's cost, ``saves`` cannot show much whoever places.
 
 ``wins`` when it saves at least ``TIE`` of the best baseline's GPU-seconds, ``loses``
 when it spends that much more, ``ties`` in between.
@@ -20,11 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.predictor.replay.bound import offline_bound
+from kvstore.predictor.replay.bound import offline_bound, placement_floor
 from kvstore.predictor.replay.config import Progress, ReplayConfig
 from kvstore.predictor.replay.parallel import Run, replay_runs
 from kvstore.predictor.replay.policies import PolicySpec
-from kvstore.predictor.replay.report import policy_summary
+from kvstore.predictor.replay.report import gap_closed, policy_summary
 from kvstore.predictor.replay.results import PolicyResult
 from kvstore.predictor.replay.workload import Workload
 
@@ -42,6 +47,7 @@ class Cell:
     ttft_p99_human: dict[str, float]
     bound_gpu_seconds: float | None
     best_baseline: str | None
+    floor_gpu_seconds: float | None = None
 
     @property
     def saves(self) -> float | None:
@@ -57,6 +63,14 @@ class Cell:
         if self.bound_gpu_seconds is None or self.best_baseline is None:
             return None
         return 1.0 - self.bound_gpu_seconds / self.gpu_seconds[self.best_baseline]
+
+    @property
+    def saves_above_floor(self) -> float | None:
+        """The share of the best baseline's GPU-seconds above the floor the predictor saves."""
+        predictor = self.gpu_seconds.get("predictor")
+        if predictor is None or self.best_baseline is None or self.floor_gpu_seconds is None:
+            return None
+        return gap_closed(self.gpu_seconds[self.best_baseline], predictor, self.floor_gpu_seconds)
 
     @property
     def verdict(self) -> str | None:
@@ -77,6 +91,8 @@ class Cell:
             "best_baseline": self.best_baseline,
             "predictor_saves_vs_best_baseline": self.saves,
             "bound_below_best_baseline": self.headroom,
+            "floor_gpu_seconds": self.floor_gpu_seconds,
+            "predictor_saves_above_floor": self.saves_above_floor,
             "verdict": self.verdict,
         }
 
@@ -86,6 +102,7 @@ def cell_of(
     hbm_gb: float,
     results: Sequence[PolicyResult],
     bound_gpu_seconds: float | None,
+    floor_gpu_seconds: float | None = None,
 ) -> Cell:
     baselines = [r for r in results if r.baseline]
     best = min(baselines, key=lambda r: r.gpu_seconds).name if baselines else None
@@ -96,6 +113,7 @@ def cell_of(
         {r.name: policy_summary(r)["ttft_p99_human"] for r in results},
         bound_gpu_seconds,
         best,
+        floor_gpu_seconds,
     )
 
 
@@ -133,8 +151,11 @@ def sweep(
                 )
     replayed = iter(replay_runs(runs, progress, jobs=jobs))
     cells: list[Cell] = []
+    floors: dict[int | None, float | None] = {}
     for count, size, workload, sized, reused in grid:
         results = reused if reused is not None else [next(replayed) for _ in specs]
         bound = offline_bound(workload, sized).gpu_seconds if with_bound else None
-        cells.append(cell_of(count, size, results, bound))
+        if count not in floors:  # the same at every HBM size
+            floors[count] = placement_floor(workload, sized)
+        cells.append(cell_of(count, size, results, bound, floors[count]))
     return cells

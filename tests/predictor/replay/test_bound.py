@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from kvstore.predictor.replay.bound import min_hits, nominal_calls, offline_bound
+from kvstore.predictor.replay.bound import (
+    min_hits,
+    nominal_calls,
+    offline_bound,
+    placement_floor,
+)
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call, Conversation, Stop
 from kvstore.predictor.replay.costs import Sizing
@@ -76,7 +83,8 @@ def test_the_bound_is_never_above_any_policys_cost(seed: int) -> None:
     specs = parse_policies("lru,ttl:60,tool-aware,predictor,oracle")
     runs = replay(work, specs, config)
     assert bound.calls == runs[0].requests
-    assert bound.gpu_seconds_prefetch <= bound.gpu_seconds
+    assert bound.floor_gpu_seconds <= bound.gpu_seconds_prefetch <= bound.gpu_seconds
+    assert placement_floor(work, config) == bound.floor_gpu_seconds
     for run in runs:
         assert bound.gpu_seconds <= run.gpu_seconds, run.name
     # Counting: MIN's hits grow with the capacity, and first accesses are all misses.
@@ -90,3 +98,35 @@ def test_nominal_calls_are_in_order_of_their_nominal_arrival() -> None:
     arrivals = [arrival for arrival, _ in calls]
     assert arrivals == sorted(arrivals)
     assert len(calls) == work.calls()
+
+
+def test_the_floor_is_what_every_policy_recomputes_at_any_capacity() -> None:
+    """First accesses and prompt tails are recomputed whatever the tiers hold: with room
+    for everything, a replay recomputes exactly the floor; and a replay that charges
+    only part of the calls has no floor to compare with."""
+    tail = 100  # tokens past the last hashed block of every prompt
+    conversations = []
+    for i in range(3):
+        steps = [
+            Call(
+                blocks=tuple(f"c{i}/{b}" for b in range(blocks)),
+                prompt_tokens=blocks * BLOCK + tail,
+                output_tokens=20,
+                trigger=Trigger.USER,
+                stop=Stop.END_TURN,
+                think_s=30.0,
+                api_s=2.0,
+            )
+            for blocks in (2, 3, 5)
+        ]
+        conversations.append(Conversation(f"c{i}", BLOCK, tuple(steps)))
+    work = compose_users(conversations, users=2, seed=0)
+    huge = Sizing(1e4 * CHUNK_GB, 1e4 * CHUNK_GB, 1e4 * CHUNK_GB)
+    config = ReplayConfig(huge, horizons=(60.0, 600.0))
+    bound = offline_bound(work, config)
+    recomputed = (3 * 5 + 9 * tail / BLOCK) * BLOCK  # each chunk once, every tail
+    assert bound.first_accesses == 15
+    assert bound.floor_gpu_seconds == pytest.approx(config.costs.recompute_seconds(recomputed))
+    (run,) = replay(work, parse_policies("lru"), config)
+    assert run.recomputed_tokens == recomputed
+    assert placement_floor(work, dataclasses.replace(config, score_from=100.0)) is None

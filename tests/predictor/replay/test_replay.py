@@ -191,7 +191,16 @@ def test_cli_replay_json_train_and_plots(
         assert field in predictor
     assert set(predictor["hit_rate_by_tier"]) == {"hbm", "dram", "ssd"}
     assert report["summary"]["best_baseline"] == "lru"
-    assert "predictor_gap_closed" in report["summary"]
+    summary = report["summary"]
+    assert "predictor_gap_closed" in summary
+    # Above the floor every policy spends: the share of the best baseline's excess saved.
+    floor, best = summary["floor_gpu_seconds"], summary["best_baseline_gpu_seconds"]
+    assert 0 < floor <= min(p["gpu_seconds"] for p in report["policies"].values())
+    for name in ("predictor", "oracle"):
+        spent = report["policies"][name]["gpu_seconds"]
+        assert summary[f"{name}_saves_above_floor"] == pytest.approx(
+            (best - spent) / (best - floor)
+        )
     written = {path.name for path in (tmp_path / "plots").iterdir()}
     assert written == {"policies.png", "gap_cdf.png", "calibration.png"}
 
@@ -246,8 +255,7 @@ def test_a_redis_tier_runs_on_a_private_server(trace_file: Path) -> None:
         url = server.url
         assert not url.endswith(":6379/0")
         workload = from_trace(load_trace(trace_file))
-        (run,) = replay(workload, parse_policies("lru"), ReplayConfig(sizing, redis_url=url)
-        )
+        (run,) = replay(workload, parse_policies("lru"), ReplayConfig(sizing, redis_url=url))
     assert run.hit_tokens + run.recomputed_tokens == run.prompt_tokens
     redis = run.tier_counters["redis"]
     assert redis["errors"] == 0 and redis["evictions"] > 0  # it filled up and shed blocks

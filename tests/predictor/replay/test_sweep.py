@@ -25,6 +25,8 @@ def test_a_cell_compares_the_predictor_with_its_own_best_baseline() -> None:
     assert cell(101.0, 100.0).verdict == "ties"
     assert cell(110.0, 100.0).verdict == "loses"
     assert cell(90.0, 100.0).headroom is None
+    above = Cell(8, 100.0, {"lru": 100.0, "predictor": 90.0}, {}, None, "lru", 60.0)
+    assert above.saves_above_floor == pytest.approx(0.25)  # 10 of the 40 above the floor
     no_predictor = Cell(8, 100.0, {"lru": 1.0}, {}, None, "lru")
     assert no_predictor.saves is None and no_predictor.verdict is None
 
@@ -48,6 +50,10 @@ def test_the_sweep_replays_every_cell_and_reuses_the_main_run(
         assert set(c["gpu_seconds"]) == {"lru", "predictor"}
         assert c["best_baseline"] == "lru"
         assert c["bound_gpu_seconds"] <= min(c["gpu_seconds"].values()) + 1e-9
+        floor, lru = c["floor_gpu_seconds"], c["gpu_seconds"]["lru"]
+        assert 0 < floor <= c["bound_gpu_seconds"]
+        above = (lru - c["gpu_seconds"]["predictor"]) / (lru - floor)
+        assert c["predictor_saves_above_floor"] == pytest.approx(above)
         saves = 1 - c["gpu_seconds"]["predictor"] / c["gpu_seconds"]["lru"]
         assert c["predictor_saves_vs_best_baseline"] == pytest.approx(saves)
         expected = "wins" if saves >= TIE else "loses" if saves <= -TIE else "ties"
