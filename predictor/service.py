@@ -82,7 +82,8 @@ from kvstore.predictor.learning.online import OnlineLearner
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionTracker
 from kvstore.predictor.placement.decisions import DecisionLog
-from kvstore.predictor.placement.policy import PlacementPolicy, PlannedPrefetch
+from kvstore.predictor.placement.policy import PlacementPolicy
+from kvstore.predictor.placement.prefetching import PlannedPrefetch
 from kvstore.store.tiered_store import TieredStore
 from kvstore.wire.events import UNNAMED, RequestStarted, SessionEvent
 

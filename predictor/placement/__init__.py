@@ -4,6 +4,7 @@
 
     hooks.py      the session-policy protocol (on_idle, on_resume, tick), forecasts, prefetch counts
     policy.py     PlacementPolicy: placement and eviction by forecast return
+    prefetching.py  its prefetches, run in the hook or later off the store's lock
     ranking.py    eviction order inside a tier; where between horizons returns fall
     decisions.py  the log of what the policy decided for each session, and why
     baselines.py  LRU and a fixed idle timeout, with the same hooks

@@ -66,7 +66,10 @@ class IdleSession(Protocol):
 class SessionPolicy(EvictionPolicy, Protocol):
     """An eviction policy that also hears about sessions (every policy in this module)."""
 
-    prefetches: PrefetchStats
+    @property
+    def prefetches(self) -> PrefetchStats:
+        """What became of the policy's prefetches (the replay charges copies in flight)."""
+        ...
 
     def on_idle(
         self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float

@@ -42,13 +42,9 @@ Every placement, demotion, write-down copy and prefetch, and every eviction of
 a session's blocks, is logged with its reason and forecast in ``decisions``
 (``placement.decisions``), for an operator asking why a chain lies where it does.
 
-A prefetch reads the chain from a slower tier (LMDB, Redis: milliseconds per
-MiB), and the hooks run under the store's lock. With ``defer_prefetches`` a
-hook only plans it (``PlannedPrefetch``); the caller takes the plans
-(``take_prefetches``) and runs each after letting go of the lock
-(``prefetch``), so the read holds up no other request: the store takes its
-lock only to admit what was read. The daemon defers; the replay, one thread
-with nobody to hold up, runs each plan at once, in the hook.
+A prefetch reads the chain from a slower tier while the hooks hold the store's
+lock: with ``defer_prefetches`` a hook only plans it, and the caller runs the plans
+(``take_prefetches``, ``prefetch``) after letting go of it (``placement.prefetching``).
 
 Eviction by predicted reuse. Each block belongs to the last session that
 touched it. ``victims(tier)`` ranks sessions by the chance that they are back
@@ -70,7 +66,6 @@ classifier at the model's horizons.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -87,6 +82,7 @@ from kvstore.predictor.placement.hooks import (
     perfect_forecast,
     session_namespace,
 )
+from kvstore.predictor.placement.prefetching import PlannedPrefetch, Prefetcher
 from kvstore.predictor.placement.prefix_tree import PrefixTree
 from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank, TierRanking
 from kvstore.store.eviction import LRUPolicy
@@ -155,21 +151,6 @@ class _Session:
     score: dict[TierKind, tuple[float, float]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PlannedPrefetch:
-    """A prefetch a hook decided on: promote ``keys`` (the cached head of a session's
-    chain) to tier ``to``; ``sources`` are the keys held only slower than ``to``
-    when it was planned, with their fastest tier; ``planned_at`` the hook's ``now``;
-    ``decision`` the record of the plan, which the record of its run repeats."""
-
-    namespace: Namespace
-    keys: tuple[ChunkKey, ...]
-    to: TierKind
-    sources: tuple[tuple[ChunkKey, TierKind], ...]
-    planned_at: float
-    decision: Decision
-
-
 # One session's place in a tier's eviction order: (p within horizon, p at all, recency).
 
 
@@ -193,19 +174,18 @@ class PlacementPolicy:
         decisions: DecisionLog | None = None,
     ) -> None:
         self.config = config if config is not None else PlacementConfig()
-        self.defer_prefetches = defer_prefetches
         self.decisions = decisions if decisions is not None else DecisionLog()
-        self._planned: list[PlannedPrefetch] = []
-        self.prefetches = PrefetchStats()
         self.gaps = GapShape()
         self.demoted = 0  # chunks moved down by idle placement (not by pressure)
         self._now = 0.0
         self._recency = itertools.count(1)
         self._sessions: dict[str, _Session] = {}
         self._tiers: dict[TierKind, TierRanking] = {kind: TierRanking() for kind in TierKind}
+        self._prefetcher = Prefetcher(
+            self.decisions, lambda kind: self._tiers[kind].owner, defer=defer_prefetches
+        )
         self._anonymous = LRUPolicy()  # blocks no session touched
         self._owner: dict[ChunkKey, str] = {}  # last session to touch each held key
-        self._prefetched: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
         self._checks: list[tuple[float, int, int, str]] = []  # (when, seq, epoch, session)
         self._sequence = itertools.count()
         self._entered: dict[TierKind, dict[ChunkKey, float]] = {kind: {} for kind in TierKind}
@@ -225,7 +205,7 @@ class PlacementPolicy:
         self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
     ) -> None:
         ranking = self._tiers[tier]
-        prefetched = self._prefetched[tier]
+        prefetched = self._prefetcher.unread[tier]
         entered = self._entered[tier]
         anonymous: list[ChunkKey] = []
         touched: dict[str, None] = {}
@@ -298,7 +278,7 @@ class PlacementPolicy:
                 stay if mean is None else mean + _RESIDENCE_WEIGHT * (stay - mean)
             )
         self._anonymous.on_remove(tier, key)
-        prefetched = self._prefetched[tier]
+        prefetched = self._prefetcher.unread[tier]
         if prefetched and key in prefetched:
             prefetched.discard(key)
             self.prefetches.wasted += 1
@@ -409,9 +389,7 @@ class PlacementPolicy:
 
     # -- placement ---------------------------------------------------------
 
-    def _place(
-        self, store: TieredStore, session: _Session, now: float, *, fresh: bool
-    ) -> TierKind:
+    def _place(self, store: TieredStore, session: _Session, now: float, *, fresh: bool) -> TierKind:
         """Move an idle session's chain where its forecast says for its idle time so far,
         then schedule the next look (sooner while the idle time is short). ``fresh``: a
         new forecast, whose placement is logged even if its target is the one before."""
@@ -611,18 +589,22 @@ class PlacementPolicy:
         finally:
             self._moving = set()
 
+    @property
+    def prefetches(self) -> PrefetchStats:
+        return self._prefetcher.stats
+
+    @property
+    def defer_prefetches(self) -> bool:
+        return self._prefetcher.defer
+
     def take_prefetches(self) -> list[PlannedPrefetch]:
         """The prefetches planned since the last call (``defer_prefetches``), in order.
         Under the store's lock, as every hook."""
-        planned, self._planned = self._planned, []
-        return planned
+        return self._prefetcher.take()
 
     def prefetch(self, store: TieredStore, plan: PlannedPrefetch) -> None:
-        """Run a planned prefetch. Called without the store's lock (it is taken here to
-        count what landed), so the read from the slower tier holds up nobody."""
-        store.promote(plan.namespace, list(plan.keys), to=plan.to)
-        with store.locked():
-            self._landed(store, plan)
+        """Run a planned prefetch, without the store's lock (``Prefetcher.run``)."""
+        self._prefetcher.run(store, plan, self._now)
 
     def _prefetch(self, store: TieredStore, session: _Session, to: TierKind, why: Why) -> None:
         """Promote the chunks of the session's chain held slower than ``to`` up to ``to``:
@@ -650,24 +632,7 @@ class PlacementPolicy:
         source = min(kind for _, kind in slower)
         planned = self._decide(session, Action.PREFETCH_PLANNED, source, to, len(slower), why)
         plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now, planned)
-        if self.defer_prefetches:
-            self._planned.append(plan)
-            return
-        store.promote(namespace, head, to=to)
-        self._landed(store, plan)
-
-    def _landed(self, store: TieredStore, plan: PlannedPrefetch) -> None:
-        """Count the chunks of ``plan`` that arrived in its tier as issued prefetches."""
-        landed = self._tiers[plan.to].owner
-        copies = [(key, source) for key, source in plan.sources if key in landed]
-        for key, _ in copies:
-            self._prefetched[plan.to].add(key)
-        self.prefetches.issued += len(copies)
-        self.prefetches.transfer(copies, plan.planned_at, _chunk_seconds(store, plan.namespace))
-        ran = dataclasses.replace(
-            plan.decision, at=self._now, action=Action.PREFETCH, chunks=len(copies)
-        )
-        self.decisions.record(ran)
+        self._prefetcher.submit(store, plan, self._now)
 
     def _slots(self, store: TieredStore, kind: TierKind) -> int:
         """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
@@ -734,14 +699,6 @@ class PlacementPolicy:
         for kind, ranking in self._tiers.items():
             if session.name in ranking.blocks:
                 ranking.rank(session.name, self._rank(session, kind))
-
-
-def _chunk_seconds(store: TieredStore, namespace: Namespace) -> dict[TierKind, float]:
-    """How long one chunk of ``namespace`` takes to load from each tier (``CostModel``)."""
-    costs = store.config.costs
-    layout = namespace.layout
-    per_token = costs.kv_bytes_per_token or layout.chunk_nbytes / layout.chunk_tokens
-    return {kind: costs.load_seconds(kind, layout.chunk_tokens, per_token) for kind in TierKind}
 
 
 __all__ = [

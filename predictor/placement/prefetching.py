@@ -1,0 +1,99 @@
+"""Prefetches a placement policy decides on: run at once, or later off the store's lock.
+
+A prefetch reads a chain from a slower tier (LMDB, Redis: milliseconds per MiB),
+and a policy's hooks run under the store's lock. A ``Prefetcher`` made with
+``defer`` only plans one (``PlannedPrefetch``); the caller takes the plans
+(``take``) and runs each after letting go of the lock (``run``), so the read holds
+up no other request: the store takes its lock only to admit what was read. The
+daemon defers; the replay, one thread with nobody to hold up, runs each at once.
+
+What became of them is counted in ``stats`` (``hooks.PrefetchStats``): a chunk a
+prefetch brought into a tier is ``unread`` there until a lookup reads it (used)
+or it leaves unread (wasted). The policy checks those sets on every access and
+removal itself, on its hot path; this module only fills them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.predictor.placement.decisions import Action, Decision, DecisionLog
+from kvstore.predictor.placement.hooks import PrefetchStats
+from kvstore.store.tiered_store import TieredStore
+from kvstore.tiers.kinds import TierKind
+
+
+@dataclass(frozen=True)
+class PlannedPrefetch:
+    """A prefetch a hook decided on: promote ``keys`` (the cached head of a session's
+    chain) to tier ``to``; ``sources`` are the keys held only slower than ``to``
+    when it was planned, with their fastest tier; ``planned_at`` the hook's ``now``;
+    ``decision`` the record of the plan, which the record of its run repeats."""
+
+    namespace: Namespace
+    keys: tuple[ChunkKey, ...]
+    to: TierKind
+    sources: tuple[tuple[ChunkKey, TierKind], ...]
+    planned_at: float
+    decision: Decision
+
+
+class Prefetcher:
+    """One policy's prefetches (module docstring). ``held(tier)`` answers which keys
+    the policy knows ``tier`` holds: a chunk counts as prefetched only if it landed."""
+
+    def __init__(
+        self,
+        decisions: DecisionLog,
+        held: Callable[[TierKind], Container[ChunkKey]],
+        *,
+        defer: bool = False,
+    ) -> None:
+        self.defer = defer
+        self.stats = PrefetchStats()
+        self.unread: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
+        self._decisions = decisions
+        self._held = held
+        self._planned: list[PlannedPrefetch] = []
+
+    def submit(self, store: TieredStore, plan: PlannedPrefetch, now: float) -> None:
+        """From a hook, under the store's lock: run ``plan`` now, or keep it for ``take``."""
+        if self.defer:
+            self._planned.append(plan)
+            return
+        store.promote(plan.namespace, list(plan.keys), to=plan.to)
+        self._landed(store, plan, now)
+
+    def take(self) -> list[PlannedPrefetch]:
+        """The prefetches planned since the last call, in order. Under the store's lock,
+        as every hook."""
+        planned, self._planned = self._planned, []
+        return planned
+
+    def run(self, store: TieredStore, plan: PlannedPrefetch, now: float) -> None:
+        """Run a planned prefetch. Called without the store's lock (it is taken here to
+        count what landed), so the read from the slower tier holds up nobody."""
+        store.promote(plan.namespace, list(plan.keys), to=plan.to)
+        with store.locked():
+            self._landed(store, plan, now)
+
+    def _landed(self, store: TieredStore, plan: PlannedPrefetch, now: float) -> None:
+        """Count the chunks of ``plan`` that arrived in its tier as issued prefetches."""
+        held = self._held(plan.to)
+        copies = [(key, source) for key, source in plan.sources if key in held]
+        self.unread[plan.to].update(key for key, _ in copies)
+        self.stats.issued += len(copies)
+        self.stats.transfer(copies, plan.planned_at, chunk_seconds(store, plan.namespace))
+        ran = dataclasses.replace(plan.decision, at=now, action=Action.PREFETCH, chunks=len(copies))
+        self._decisions.record(ran)
+
+
+def chunk_seconds(store: TieredStore, namespace: Namespace) -> dict[TierKind, float]:
+    """How long one chunk of ``namespace`` takes to load from each tier (``CostModel``)."""
+    costs = store.config.costs
+    layout = namespace.layout
+    per_token = costs.kv_bytes_per_token or layout.chunk_nbytes / layout.chunk_tokens
+    return {kind: costs.load_seconds(kind, layout.chunk_tokens, per_token) for kind in TierKind}
