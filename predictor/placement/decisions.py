@@ -73,6 +73,8 @@ class Reason(enum.Enum):
     FULL_OF_RUNNING = (
         "P(back within {horizon:.0f} s)={p:.2f} < keep {keep:g}; {tier} full of running requests"
     )
+    PROMOTED = "P(back within {horizon:.0f} s)={p:.2f} beats {tier}'s next victim ({rival:.2f})"
+    PROMOTED_ROOM = "P(back within {horizon:.0f} s)={p:.2f}; {tier} has room"
     KEPT_ROOM = "target below; kept in {tier} while it has room"
     KEPT_OUTRANKS = "target below; kept in {tier}: outranks next victim ({p:.2f} > {rival:.2f})"
     COPY_AHEAD = "copied ahead of eviction: {tier} has room"

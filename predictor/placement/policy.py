@@ -34,7 +34,11 @@ needs the room then writes nothing on that request's clock (on Mooncake's trace 
 write-back was an eighth of the predictor's GPU-seconds). In a full tier the copy
 would push out another session's block, and keeping a chain twice costs capacity.
 When the target rises above where the chain lies (a step-shaped forecast, a tool
-result on its way), the chain is promoted ahead of the return: a prefetch.
+result on its way), the chain is promoted ahead of the return: a prefetch. So is a
+chain that a faster tier below HBM would now keep: one with room, or whose next
+victim it outranks by ``promote_margin``. Chances fall at different rates as
+sessions idle, and a chain put on SSD at idle can later be likelier back than DRAM's
+marginal resident, which it then trades places with before anyone waits for either.
 ``on_resume`` prefetches too: a request-began event means the lookup is next.
 ``prefetches`` counts what became of them.
 
@@ -117,6 +121,10 @@ class PlacementConfig:
     check_min_s: float = 10.0
     check_fraction: float = 0.25
     check_max_s: float = 300.0
+    promote_margin: float = 0.25
+    """A chain held slower than a tier below HBM is promoted there when its chance beats
+    that tier's next victim's by this factor (any chance, if the tier has room): two
+    chains of about the same chance do not trade places at every look."""
 
     def horizon(self, kind: TierKind) -> float:
         return _of(self.horizons_s, kind)
@@ -451,6 +459,11 @@ class PlacementPolicy:
         ``placed``, or prefetch it to its target (``rising``, ``why``); copy it down
         ahead of eviction; returns where it is kept."""
         target, name, order = session.target, session.name, store.tier_kinds
+        promoted = None if rising else self._promotion(store, name, level, chances)
+        if promoted is not None:
+            above, why_up = promoted
+            self._prefetch(store, session, above, why_up)
+            return above
         if (
             rising
             and target is not None
@@ -485,6 +498,28 @@ class PlacementPolicy:
                     ahead = Why(Reason.COPY_AHEAD, below)
                     self._decide(session, Action.WRITE_DOWN, placed, below, written, ahead)
         return placed
+
+    def _promotion(
+        self,
+        store: TieredStore,
+        name: str,
+        level: TierKind,
+        chances: dict[TierKind, tuple[float, float]],
+    ) -> tuple[TierKind, Why] | None:
+        """The tier between HBM and ``level`` (where session ``name``'s chain lies) that
+        takes the chain up now, and why: the fastest with room, or whose next victim the
+        chain outranks by the margin. None: none does. Room takes any chain, even one
+        read as never back (a forecast is flat past its last horizon; such a session
+        may still return, and free room evicts nobody)."""
+        order = store.tier_kinds
+        for kind in order[1 : order.index(level)]:
+            p = chances[kind][0]
+            if self._has_room(store, kind):
+                return kind, Why(Reason.PROMOTED_ROOM, kind, p, self.stay(kind))
+            rival = self._marginal(kind, name)[0]
+            if p > (1.0 + self.config.promote_margin) * rival:
+                return kind, Why(Reason.PROMOTED, kind, p, self.stay(kind), rival=rival)
+        return None
 
     def _why_target(
         self,

@@ -137,6 +137,42 @@ def test_a_rising_probability_prefetches_ahead_of_the_return(three_tiers: Sessio
     assert run.policy.prefetches.issued == 3
 
 
+@pytest.mark.parametrize("margin", [0.25, 10.0])
+def test_a_chain_that_comes_to_outrank_a_resident_is_promoted(
+    tmp_path: Path, margin: float
+) -> None:
+    """Chances fall at different rates as sessions idle: a chain put on SSD at idle, when
+    DRAM's residents were likelier back, is brought up once it is likelier than the next
+    of them by the margin, and that one goes down in its place. With a margin it cannot
+    beat, nothing trades places."""
+    policy = PlacementPolicy(PlacementConfig(promote_margin=margin))
+    run = opened(policy, kv.hbm(8), kv.dram(6), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        run.busy(5)
+        for i, name in enumerate(["early", "late"]):  # likely back within a minute, or never
+            state = run.request(name, 100 * i, 3, now=float(i))
+            policy.on_idle(store, state, forecast(name, i + 1.0, 0.6, 0.7, 0.75), i + 1.0)
+        slow = run.request("slow", 1000, 3, now=2.0)  # back in minutes to an hour
+        policy.on_idle(store, slow, forecast("slow", 3.0, 0.05, 0.3, 0.9), 3.0)
+        assert run.where(0, 3) + run.where(100, 3) == [DRAM] * 6
+        assert run.where(1000, 3) == [SSD] * 3
+        now = 3.0
+        while now < 600.0 and run.where(1000, 3) != [DRAM] * 3:
+            now += 10.0
+            policy.tick(store, now)
+        if margin > 1.0:
+            assert run.where(1000, 3) == [SSD] * 3
+            assert run.where(0, 3) + run.where(100, 3) == [DRAM] * 6
+            return
+        assert now < 200.0 and run.where(1000, 3) == [DRAM] * 3
+        assert run.where(0, 3) == [SSD] * 3  # the resident touched least recently
+        assert run.where(100, 3) == [DRAM] * 3
+        ran, _ = policy.decisions.latest("slow", limit=2)
+        assert (ran.action, ran.source, ran.to, ran.chunks) == (Action.PREFETCH, SSD, DRAM, 3)
+        assert ran.why.p is not None and ran.why.rival is not None
+        assert ran.why.p > (1 + margin) * ran.why.rival
+
+
 def test_victims_go_by_predicted_return_not_recency(tmp_path: Path) -> None:
     run = opened(PlacementPolicy(), kv.dram(6), kv.ssd(tmp_path / "lmdb"))
     with run.store as store:
