@@ -35,7 +35,7 @@ write-back was an eighth of the predictor's GPU-seconds). In a full tier the cop
 would push out another session's block, and keeping a chain twice costs capacity.
 When the target rises above where the chain lies (a step-shaped forecast, a tool
 result on its way), the chain is promoted ahead of the return: a prefetch. So is a
-chain that a faster tier below HBM would now keep: one with room, or whose next
+chain that a faster tier other than HBM would now keep: one with room, or whose next
 victim it outranks by ``promote_margin``. Chances fall at different rates as
 sessions idle, and a chain put on SSD at idle can later be likelier back than DRAM's
 marginal resident, which it then trades places with before anyone waits for either.
@@ -122,7 +122,7 @@ class PlacementConfig:
     check_fraction: float = 0.25
     check_max_s: float = 300.0
     promote_margin: float = 0.25
-    """A chain held slower than a tier below HBM is promoted there when its chance beats
+    """An idle chain goes up to a faster tier other than HBM when its chance there beats
     that tier's next victim's by this factor (any chance, if the tier has room): two
     chains of about the same chance do not trade places at every look."""
 
@@ -506,13 +506,16 @@ class PlacementPolicy:
         level: TierKind,
         chances: dict[TierKind, tuple[float, float]],
     ) -> tuple[TierKind, Why] | None:
-        """The tier between HBM and ``level`` (where session ``name``'s chain lies) that
-        takes the chain up now, and why: the fastest with room, or whose next victim the
-        chain outranks by the margin. None: none does. Room takes any chain, even one
-        read as never back (a forecast is flat past its last horizon; such a session
-        may still return, and free room evicts nobody)."""
+        """The tier faster than ``level`` (where session ``name``'s chain lies) that takes
+        the chain up now, and why: the fastest with room, or whose next victim the chain
+        outranks by the margin; never HBM, which an idle chain reaches only when its
+        session is expected back (a rising target). None: none does. Room takes any
+        chain, even one read as never back (a forecast is flat past its last horizon;
+        such a session may still return, and free room evicts nobody)."""
         order = store.tier_kinds
-        for kind in order[1 : order.index(level)]:
+        for kind in order[: order.index(level)]:
+            if kind is TierKind.HBM:
+                continue
             p = chances[kind][0]
             if self._has_room(store, kind):
                 return kind, Why(Reason.PROMOTED_ROOM, kind, p, self.stay(kind))

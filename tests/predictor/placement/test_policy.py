@@ -173,6 +173,28 @@ def test_a_chain_that_comes_to_outrank_a_resident_is_promoted(
         assert ran.why.p > (1 + margin) * ran.why.rival
 
 
+def test_without_hbm_a_chain_pushed_to_ssd_comes_back_once_dram_has_room(
+    tmp_path: Path,
+) -> None:
+    """The daemon's store (DRAM and LMDB): DRAM is its fastest tier and the engine's
+    HBM none of its own, so a chain another session pushed down is read back into DRAM
+    as soon as there is room, before its session asks for it."""
+    policy = PlacementPolicy()
+    run = opened(policy, kv.dram(6), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        a = run.request("a", 0, 3, now=0.0)
+        policy.on_idle(store, a, forecast("a", 1.0, 0.05, 0.3, 0.9), 1.0)
+        b = run.request("b", 100, 6, now=2.0)  # fills DRAM: a's chain goes to LMDB
+        assert run.where(0, 3) == [SSD] * 3
+        store.delete(run.ns, run.keys(100, 6))
+        policy.on_idle(store, b, forecast("b", 3.0, 0.6, 0.7, 0.75), 3.0)
+        for now in (13.0, 23.0, 33.0):
+            policy.tick(store, now)
+        assert run.where(0, 3) == [DRAM] * 3
+        ran = policy.decisions.latest("a", limit=1)[0]
+        assert (ran.action, ran.source, ran.to, ran.chunks) == (Action.PREFETCH, SSD, DRAM, 3)
+
+
 def test_victims_go_by_predicted_return_not_recency(tmp_path: Path) -> None:
     run = opened(PlacementPolicy(), kv.dram(6), kv.ssd(tmp_path / "lmdb"))
     with run.store as store:
