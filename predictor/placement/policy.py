@@ -456,8 +456,9 @@ class PlacementPolicy:
         why: Why,
     ) -> TierKind:
         """Move the chain of ``session``, whose fastest block lies in ``level``, to
-        ``placed``, or prefetch it to its target (``rising``, ``why``); copy it down
-        ahead of eviction; returns where it is kept."""
+        ``placed``, or prefetch it to its target (``rising``, ``why``) or to a faster
+        tier that now takes it (``_promotion``); copy it down ahead of eviction;
+        returns where it is kept."""
         target, name, order = session.target, session.name, store.tier_kinds
         promoted = None if rising else self._promotion(store, name, level, chances)
         if promoted is not None:
