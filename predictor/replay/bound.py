@@ -41,6 +41,7 @@ default rates it does not.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Iterator, Sequence
@@ -174,7 +175,7 @@ class _Accesses:
             tail_tokens += call.prompt_tokens - len(chunks) * chunk_tokens
         return _Accesses(len(calls), accesses, chunk_tokens, tail_tokens)
 
-    @property
+    @functools.cached_property
     def first(self) -> int:
         return len(set(self.chunks))
 
@@ -183,12 +184,17 @@ class _Accesses:
         return config.costs.recompute_seconds(tokens)
 
 
-def placement_floor(workload: Workload, config: ReplayConfig) -> float | None:
+def placement_floor(
+    workload: Workload, config: ReplayConfig, bound: Bound | None = None
+) -> float | None:
     """The GPU-seconds every policy spends on ``workload`` at any capacity (the floor in
-    the module docstring), without ``offline_bound``'s MIN runs. None when the replay
-    charges only the calls from ``score_from`` on: the floor counts every call."""
+    the module docstring): ``bound``'s if given, else counted without its MIN runs.
+    None when the replay charges only the calls from ``score_from`` on: the floor
+    counts every call."""
     if math.isfinite(config.score_from):
         return None
+    if bound is not None:
+        return bound.floor_gpu_seconds
     return _Accesses.of(workload, config).floor(config)
 
 

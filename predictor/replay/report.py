@@ -162,7 +162,7 @@ def summarize(
             summary["predictor_gap_closed"] = gap_closed(
                 best.gpu_seconds, predictor.gpu_seconds, oracle.gpu_seconds
             )
-        floor = placement_floor(workload, config)
+        floor = placement_floor(workload, config, bound)
         if floor is not None:
             # What placement can change is only what the best baseline spends above it.
             summary["floor_gpu_seconds"] = floor

@@ -154,8 +154,10 @@ def sweep(
     floors: dict[int | None, float | None] = {}
     for count, size, workload, sized, reused in grid:
         results = reused if reused is not None else [next(replayed) for _ in specs]
-        bound = offline_bound(workload, sized).gpu_seconds if with_bound else None
+        bound = offline_bound(workload, sized) if with_bound else None
         if count not in floors:  # the same at every HBM size
-            floors[count] = placement_floor(workload, sized)
-        cells.append(cell_of(count, size, results, bound, floors[count]))
+            floors[count] = placement_floor(workload, sized, bound)
+        cells.append(
+            cell_of(count, size, results, bound.gpu_seconds if bound else None, floors[count])
+        )
     return cells
