@@ -18,6 +18,9 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 _BATCH = 50
+MIN_CASES = 10
+"""Cases every target runs whatever the clock says: on a loaded machine the targets
+fuzzed first can spend a scenario's time, and a target that ran nothing was not fuzzed."""
 _SAVED_FAILURES = 100
 _REPORTED_FAILURES = 5
 
@@ -71,10 +74,16 @@ class Target:
 
 
 def drive(target: Target, count: int, deadline: float, seed: int, findings: Findings) -> int:
-    """Run ``target`` on up to ``count`` generated inputs before ``deadline``; how many ran."""
+    """Run ``target`` on up to ``count`` generated inputs before ``deadline``, and on at
+    least ``MIN_CASES`` of them (or ``count``) however late; how many ran."""
     ran = 0
+    floor = min(MIN_CASES, count)
+
+    def more() -> bool:
+        return ran < count and (ran < floor or time.monotonic() < deadline)
+
     for batch in range(count):
-        if ran >= count or time.monotonic() >= deadline:
+        if not more():
             break
         before = ran
         size = min(_BATCH, count - ran)
@@ -90,7 +99,7 @@ def drive(target: Target, count: int, deadline: float, seed: int, findings: Find
         @given(target.inputs)
         def one(case: Any) -> None:
             nonlocal ran
-            if ran < count and time.monotonic() < deadline:
+            if more():
                 ran += 1
                 try:
                     target.check(case)
