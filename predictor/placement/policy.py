@@ -55,10 +55,11 @@ touched it. ``victims(tier)`` ranks sessions by the chance that they are back
 while a block kept in that tier would stay there (the tier's measured mean
 residence before eviction, at most its horizon), ties by the chance that they
 come back at all, then least recently touched first; a session's blocks go
-tail first. Only leaves go (``placement.prefix_tree``): a block with a child in the
-same tier stays, so a cached prefix stays a prefix and a system prompt shared by
-every session outlives the chains that extend it, whoever touched it last. Blocks of
-running sessions rank last; blocks no session touched rank first, LRU.
+tail first. Only leaves go: a block with a child in the same tier stays, so a cached
+prefix stays a prefix and a system prompt shared by every session outlives the chains
+that extend it, whoever touched it last. Blocks of running sessions rank last; blocks
+no session touched rank first, LRU. Who owns what, where, in which order, and how long
+blocks stay in each tier is kept by ``placement.holdings``; this module ranks.
 
 Ownership, not membership, decides what a session's idle placement moves, so
 one session going idle does not demote a prefix the others keep using.
@@ -73,11 +74,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.predictor.placement.decisions import Action, Decision, DecisionLog, Reason, Why
+from kvstore.predictor.placement.holdings import Holdings
 from kvstore.predictor.placement.hooks import (
     Forecast,
     IdleSession,
@@ -87,61 +89,12 @@ from kvstore.predictor.placement.hooks import (
     session_namespace,
 )
 from kvstore.predictor.placement.prefetching import PlannedPrefetch, Prefetcher
-from kvstore.predictor.placement.prefix_tree import PrefixTree
-from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank, TierRanking
-from kvstore.store.eviction import LRUPolicy
+from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank
+from kvstore.predictor.placement.thresholds import PlacementConfig
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
 
 INF = math.inf
-
-
-def _horizons() -> dict[TierKind, float]:
-    hour = 3600.0
-    return {TierKind.HBM: 60.0, TierKind.DRAM: 600.0, TierKind.SSD: hour, TierKind.REDIS: 4 * hour}
-
-
-def _keep() -> dict[TierKind, float]:
-    return dict.fromkeys(TierKind, 0.5)
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
-    """Thresholds of ``PlacementPolicy``, per tier kind.
-
-    ``horizons_s``: how far ahead a tier is worth holding a chain for; ``keep``:
-    keep a chain in a tier while P(back within its horizon) is at least this.
-    A kind with no entry (a tier added later) takes the slowest tier's values.
-    An idle session is re-placed after ``clamp(check_fraction * idle time,
-    check_min_s, check_max_s)`` seconds.
-    """
-
-    horizons_s: Mapping[TierKind, float] = field(default_factory=_horizons)
-    keep: Mapping[TierKind, float] = field(default_factory=_keep)
-    check_min_s: float = 10.0
-    check_fraction: float = 0.25
-    check_max_s: float = 300.0
-    promote_margin: float = 0.25
-    """An idle chain goes up to a faster tier other than HBM when its chance there beats
-    that tier's next victim's by this factor (any chance, if the tier has room): two
-    chains of about the same chance do not trade places at every look."""
-
-    def horizon(self, kind: TierKind) -> float:
-        return _of(self.horizons_s, kind)
-
-    def keep_at(self, kind: TierKind) -> float:
-        return _of(self.keep, kind)
-
-    @property
-    def longest_horizon(self) -> float:
-        return max(self.horizons_s.values())
-
-
-def _of(values: Mapping[TierKind, float], kind: TierKind) -> float:
-    """``values[kind]``, else the value of the slowest kind that has one."""
-    if kind in values:
-        return values[kind]
-    return values[max(values)]
 
 
 @dataclass
@@ -163,7 +116,6 @@ class _Session:
 
 
 FULL = 0.95  # a tier this full is under pressure: a chain must outrank its next victim
-_RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
 _ACTIVE: tuple[float, float] = (INF, INF)
 _UNKNOWN: tuple[float, float] = (0.0, 0.0)
 _TOOL_RUNNING = Why(Reason.TOOL_RUNNING)
@@ -188,22 +140,14 @@ class PlacementPolicy:
         self._now = 0.0
         self._recency = itertools.count(1)
         self._sessions: dict[str, _Session] = {}
-        self._tiers: dict[TierKind, TierRanking] = {kind: TierRanking() for kind in TierKind}
+        self._held = Holdings()
         self._prefetcher = Prefetcher(
-            self.decisions, lambda kind: self._tiers[kind].owner, defer=defer_prefetches
+            self.decisions, lambda kind: self._held.tiers[kind].owner, defer=defer_prefetches
         )
-        self._anonymous = LRUPolicy()  # blocks no session touched
-        self._owner: dict[ChunkKey, str] = {}  # last session to touch each held key
         self._checks: list[tuple[float, int, int, str]] = []  # (when, seq, epoch, session)
         self._sequence = itertools.count()
-        self._entered: dict[TierKind, dict[ChunkKey, float]] = {kind: {} for kind in TierKind}
-        self._residence: dict[TierKind, float] = {}  # mean stay before eviction, per tier
-        self._moving: set[ChunkKey] = set()  # keys idle placement is moving right now
-        self._prefixes = PrefixTree()  # leaves go first in each tier
         self._store: TieredStore | None = None  # the store the hooks were last called with
-        # Eviction logging: the keys the last walk of each tier offered (``victims``),
-        # and the records of what left at ``_now``, by (session, from, to) (``_evicted``).
-        self._offered: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
+        # The records of what pressure pushed out at ``_now``, by (session, from, to).
         self._evictions: dict[tuple[str, TierKind, TierKind | None], Decision] = {}
         self._evictions_at = 0.0
 
@@ -212,29 +156,14 @@ class PlacementPolicy:
     def on_access(
         self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
     ) -> None:
-        ranking = self._tiers[tier]
         prefetched = self._prefetcher.unread[tier]
-        entered = self._entered[tier]
-        anonymous: list[ChunkKey] = []
-        touched: dict[str, None] = {}
-        for key in keys:
-            if key not in entered:
-                entered[key] = self._now
-                self._prefixes.entered(tier, key)
-            if prefetched and key in prefetched:
-                prefetched.discard(key)
-                self.prefetches.used += 1
-            if session is not None:
-                self._owner[key] = session
-            owner = self._owner.get(key)
-            if owner is None:
-                anonymous.append(key)
-                continue
-            ranking.add(key, owner)
-            touched[owner] = None
-        if anonymous:
-            self._anonymous.on_access(tier, anonymous)
-        for owner in touched:
+        if prefetched:
+            for key in keys:
+                if key in prefetched:
+                    prefetched.discard(key)
+                    self.prefetches.used += 1
+        ranking = self._held.tiers[tier]
+        for owner in self._held.entered(tier, keys, session, self._now):
             state = self._session(owner)
             state.touched = next(self._recency)
             ranking.rank(owner, self._rank(state, tier))
@@ -246,60 +175,31 @@ class PlacementPolicy:
         them. Without this no block of such a session is its own to place."""
         state = self._session(session)
         state.touched = next(self._recency)
-        owners = self._owner
-        for tier, ranking in self._tiers.items():
-            entered, filed = self._entered[tier], ranking.owner
-            # In chain order (a session's blocks leave tail first); most of a growing
-            # chain is the session's already, and only the rest is filed again.
-            for key in [key for key in keys if key in entered and filed.get(key) != session]:
-                owners[key] = session
-                ranking.add(key, session)
-                self._anonymous.on_remove(tier, key)
+        self._held.claim(session, keys)
+        for tier, ranking in self._held.tiers.items():
             if session in ranking.blocks:
                 ranking.rank(session, self._rank(state, tier))
-        for key in keys:  # also where a tier filed it under the session already
-            if key in owners:  # (held somewhere)
-                owners[key] = session
 
     def owned(self, session: str) -> dict[TierKind, int]:
         """How many blocks ``session`` owns in each tier: what its idle placement moves
         (a chain held there but owned by nobody, or by another session, stays put)."""
-        return {
-            kind: len(ranking.blocks[session])
-            for kind, ranking in self._tiers.items()
-            if session in ranking.blocks
-        }
+        return self._held.owned(session)
 
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
-        ranking = self._tiers[tier]
-        if key in self._offered[tier] and key not in self._moving:  # pushed out by pressure
-            owner = ranking.owner.get(key)
-            if owner is not None:
-                self._evicted(tier, key, owner)
-        ranking.remove(key)
-        self._prefixes.left(tier, key)
-        since = self._entered[tier].pop(key, None)
-        if since is not None and key not in self._moving:
-            stay = self._now - since
-            mean = self._residence.get(tier)
-            self._residence[tier] = (
-                stay if mean is None else mean + _RESIDENCE_WEIGHT * (stay - mean)
-            )
-        self._anonymous.on_remove(tier, key)
+        owner = self._held.pushed_out(tier, key)
+        if owner is not None:
+            self._evicted(tier, key, owner)
+        self._held.left(tier, key, self._now)
         prefetched = self._prefetcher.unread[tier]
         if prefetched and key in prefetched:
             prefetched.discard(key)
             self.prefetches.wasted += 1
-        if not any(key in entered for entered in self._entered.values()):
-            self._owner.pop(key, None)
-            self._prefixes.forget(key)
 
     def _evicted(self, tier: TierKind, key: ChunkKey, owner: str) -> None:
         """Count ``key`` of session ``owner`` as evicted from ``tier`` to the fastest tier
         still holding it (None: dropped), in one record per session, tier and
         destination at each ``now`` (the daemon's puts evict one block per walk)."""
-        entered = self._entered
-        to = next((kind for kind, held in entered.items() if kind > tier and key in held), None)
+        to = self._held.fastest_below(tier, key)
         evictions = self._evictions
         if self._evictions_at != self._now:
             evictions.clear()
@@ -320,19 +220,15 @@ class PlacementPolicy:
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
         """Blocks no session touched, then sessions' blocks in rank order, leaves only
-        (``PrefixTree.leaves``)."""
-        walked = self._offered[tier] = set()  # what leaves of it is logged (``on_remove``)
-        order = itertools.chain(self._anonymous.victims(tier), self._tiers[tier].victims())
-        for key in self._prefixes.leaves(tier, order):
-            walked.add(key)
-            yield key
+        (``Holdings.victims``)."""
+        return self._held.victims(tier)
 
     def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
         """Where a victim of ``tier`` goes (``kvstore.store.placement`` asks): the first slower
         tier that has room or whose next victim the block's session outranks; the
         last tier if none. ``None`` (the next tier) when the policy has no say."""
         store = self._store
-        owner = self._owner.get(key)
+        owner = self._held.owner(key)
         session = self._sessions.get(owner) if owner is not None else None
         if store is None or session is None:
             return None
@@ -355,7 +251,7 @@ class PlacementPolicy:
         self._forecast(session, forecast, now)
         session.state = state
         session.target = None
-        self._prefixes.learn(state.chain, self._entered)
+        self._held.learn(state.chain)
         return self._place(store, session, now, fresh=True)
 
     def on_forecast(
@@ -382,7 +278,7 @@ class PlacementPolicy:
         session.active = True
         session.state = state
         session.epoch += 1
-        self._prefixes.learn(state.chain, self._entered)
+        self._held.learn(state.chain)
         self._rerank(session)
         self._prefetch(store, session, store.tier_kinds[0], _RESUMED)
 
@@ -422,17 +318,17 @@ class PlacementPolicy:
             and not self._fits(store, placed, session.name, chances)
         ):
             placed = order[order.index(placed) + 1]
-        level = self._level(session.name)
+        level = self._held.level(session.name)
         namespace = session_namespace(store, state)
         previous, session.target = session.target, target
         if namespace is not None and level is not None:
             why = self._why_target(session, target, order, chances)
             if fresh or target != previous:
-                held = len(self._tiers[level].blocks[session.name])
+                held = len(self._held.tiers[level].blocks[session.name])
                 self._decide(session, Action.PLACE, level, target, held, why)
             rising = target is not None and (previous is None or target < previous)
             placed = self._move(store, session, namespace, level, placed, rising, chances, why)
-        if self._level(session.name) is None:
+        if self._held.level(session.name) is None:
             del self._sessions[session.name]  # nothing left to place
         else:
             elapsed = now - session.idle_since
@@ -475,7 +371,8 @@ class PlacementPolicy:
             placed = target
         elif placed > level:
             outranked = self._why_not(order[order.index(placed) - 1], name, chances)
-            moved = self._demote(store, namespace, name, placed)
+            moved = self._held.demote(store, namespace, name, placed)
+            self.demoted += moved
             if moved:
                 self._decide(session, Action.DEMOTE, level, placed, moved, outranked)
         # Copy the chain down now, while nobody waits, so the eviction that comes when
@@ -483,18 +380,18 @@ class PlacementPolicy:
         # when it is kept faster only for the room; else one tier down, if that tier
         # has room (in a full one the copy would push out someone's block).
         if target is not None and target > placed:
-            written = self._write_down(store, namespace, name, placed, target)
+            written = self._held.write_down(store, namespace, name, placed, target)
             if written:
                 if self._has_room(store, placed):
                     kept = Why(Reason.KEPT_ROOM, placed)
                 else:
-                    p, rival = chances[placed][0], self._marginal(placed, name)[0]
+                    p, rival = chances[placed][0], self._held.next_in_line(placed, name)[0]
                     kept = Why(Reason.KEPT_OUTRANKS, placed, p, rival=rival)
                 self._decide(session, Action.WRITE_DOWN, placed, target, written, kept)
         elif placed != order[-1]:
             below = order[order.index(placed) + 1]
             if self._has_room(store, below):
-                written = self._write_down(store, namespace, name, placed, below)
+                written = self._held.write_down(store, namespace, name, placed, below)
                 if written:
                     ahead = Why(Reason.COPY_AHEAD, below)
                     self._decide(session, Action.WRITE_DOWN, placed, below, written, ahead)
@@ -520,7 +417,7 @@ class PlacementPolicy:
             p = chances[kind][0]
             if self._has_room(store, kind):
                 return kind, Why(Reason.PROMOTED_ROOM, kind, p, self.stay(kind))
-            rival = self._marginal(kind, name)[0]
+            rival = self._held.next_in_line(kind, name)[0]
             if p > (1.0 + self.config.promote_margin) * rival:
                 return kind, Why(Reason.PROMOTED, kind, p, self.stay(kind), rival=rival)
         return None
@@ -548,7 +445,7 @@ class PlacementPolicy:
     ) -> Why:
         """Why session ``name`` does not stay in ``kind``, a tier faster than its target
         that is full: its chance misses the keep, and the next victim there outranks it."""
-        p, rival = chances[kind][0], self._marginal(kind, name)[0]
+        p, rival = chances[kind][0], self._held.next_in_line(kind, name)[0]
         horizon, keep = self.stay(kind), self.config.keep_at(kind)
         if rival == INF:
             return Why(Reason.FULL_OF_RUNNING, kind, p, horizon, keep)
@@ -592,41 +489,10 @@ class PlacementPolicy:
         """How long a block kept in ``kind`` now is likely to stay: the tier's mean
         residence before eviction (current pressure), at most its horizon."""
         horizon = self.config.horizon(kind)
-        residence = self._residence.get(kind)
+        residence = self._held.residence(kind)
         if residence is None:
             return horizon
         return min(horizon, max(residence, self.config.check_min_s))
-
-    def _demote(self, store: TieredStore, namespace: Namespace, name: str, to: TierKind) -> int:
-        """Move the blocks session ``name`` owns out of every tier faster than ``to``;
-        how many moved."""
-        owned: dict[ChunkKey, None] = {}
-        for kind, ranking in self._tiers.items():
-            if kind < to:
-                owned.update(dict.fromkeys(ranking.blocks.get(name, ())))
-        if not owned:
-            return 0
-        self._moving = set(owned)
-        try:
-            moved = store.demote(namespace, list(owned), to=to)
-        finally:
-            self._moving = set()
-        self.demoted += moved
-        return moved
-
-    def _write_down(
-        self, store: TieredStore, namespace: Namespace, name: str, placed: TierKind, to: TierKind
-    ) -> int:
-        """Copy the blocks session ``name`` owns in ``placed`` into ``to``, keeping them;
-        how many were written."""
-        owned = list(self._tiers[placed].blocks.get(name, ()))
-        if not owned:
-            return 0
-        self._moving = set(owned)
-        try:
-            return store.write_back(namespace, owned, to=to)
-        finally:
-            self._moving = set()
 
     @property
     def prefetches(self) -> PrefetchStats:
@@ -660,7 +526,7 @@ class PlacementPolicy:
         head: list[ChunkKey] = []
         slower: list[tuple[ChunkKey, TierKind]] = []
         for key in state.chain[: self._slots(store, to) // 2]:
-            fastest = self._fastest(key)
+            fastest = self._held.fastest(key)
             if fastest is None:
                 break
             head.append(key)
@@ -676,7 +542,7 @@ class PlacementPolicy:
     def _slots(self, store: TieredStore, kind: TierKind) -> int:
         """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
         tier = store.tier(kind)
-        held = len(self._entered[kind])
+        held = self._held.held(kind)
         used = tier.used_bytes()
         if not held or not used:
             return 1 << 30  # empty: no size to go by yet, and no one to push out
@@ -691,31 +557,12 @@ class PlacementPolicy:
     ) -> bool:
         """Whether tier ``kind`` has room, or session ``name`` with these chances ranks above
         the session next in line for eviction there."""
-        return self._has_room(store, kind) or chances[kind] > self._marginal(kind, name)
+        return self._has_room(store, kind) or chances[kind] > self._held.next_in_line(kind, name)
 
     @staticmethod
     def _has_room(store: TieredStore, kind: TierKind) -> bool:
         tier = store.tier(kind)
         return tier.used_bytes() < FULL * tier.capacity_bytes()
-
-    def _marginal(self, kind: TierKind, name: str) -> tuple[float, float]:
-        """The chances of the session other than ``name`` next in line for eviction from
-        ``kind`` (as of its last look)."""
-        if next(iter(self._anonymous.victims(kind)), None) is not None:
-            return (0.0, 0.0)
-        ranking = self._tiers[kind]
-        ranking.drop_stale()
-        for entry in ranking.entries:
-            if entry[1] != name and ranking.live.get(entry[1]) is entry:
-                return (entry[0][0], entry[0][1])
-        return (0.0, 0.0)
-
-    def _fastest(self, key: ChunkKey) -> TierKind | None:
-        return next((kind for kind, r in self._tiers.items() if key in r.owner), None)
-
-    def _level(self, name: str) -> TierKind | None:
-        """The fastest tier holding a block session ``name`` owns."""
-        return next((kind for kind, r in self._tiers.items() if name in r.blocks), None)
 
     # -- ranking -----------------------------------------------------------
 
@@ -735,7 +582,7 @@ class PlacementPolicy:
         self, session: _Session, chances: dict[TierKind, tuple[float, float]] | None = None
     ) -> None:
         session.score = dict(chances) if chances is not None else {}
-        for kind, ranking in self._tiers.items():
+        for kind, ranking in self._held.tiers.items():
             if session.name in ranking.blocks:
                 ranking.rank(session.name, self._rank(session, kind))
 
