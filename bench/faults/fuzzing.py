@@ -35,9 +35,6 @@ between examples. The same seed sends the same inputs.
 from __future__ import annotations
 
 import contextlib
-import json
-import re
-import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -45,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 from hypothesis import strategies as st
 
@@ -53,22 +49,18 @@ from faults import fuzz_inputs as fi
 from faults.campaign import DaemonSpec, Report, Scale, tcp_settings
 from faults.fuzz_decoders import in_process_targets
 from faults.fuzz_driver import Findings, Target, drive
+from faults.fuzz_http import HANG_S, FuzzedDaemon, HttpCase, Sender
 from faults.fuzz_seeds import LAYOUT, frames, fuzz_chain, put_parts, put_seed
 from kvstore import connect
-from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
-from kvstore.wire.codes import ErrorCode
 from kvstore.wire.frames import (
     FRAMES_CONTENT_TYPE,
     META_LENGTH,
-    FrameDecoder,
 )
 from kvstore.wire.messages import namespace_to_json
 
 SCENARIO = "fuzzing"
 SEED = 10
-HANG_S = 10.0  # an HTTP request not answered (nor its connection closed) by then hangs
-_QUIET_S = 0.25  # a raw request unanswered this long is half-closed: the daemon sees its end
 MUST_BE_ZERO = (
     "http_5xx",
     "unexpected_exceptions",
@@ -104,7 +96,7 @@ def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
     spec = DaemonSpec(workdir / "daemon", daemon=tcp_settings())
     per_http_target = scale.requests * scale.cycles
     cases: dict[str, int] = {}
-    with _Daemon(spec) as daemon:
+    with FuzzedDaemon(spec) as daemon:
         canaries = [_write_canary(daemon, name, index) for index, name in enumerate("abc")]
         changed_before = sum(_canary_changes(daemon, canary) for canary in canaries)
         if changed_before:
@@ -141,60 +133,6 @@ def run(scale: Scale, workdir: Path, *, seed: int = SEED) -> Report:
     return Report(SCENARIO, figures, MUST_BE_ZERO)
 
 
-# -- the daemon --------------------------------------------------------------------------
-
-
-class _Daemon:
-    """The daemon under fuzz and the HTTP clients of both its transports; restarted
-    (same data directory) if it dies."""
-
-    def __init__(self, spec: DaemonSpec) -> None:
-        self.spec = spec
-        self.token = str(spec.daemon["auth_token"])
-        self.tcp_url = f"http://127.0.0.1:{spec.daemon['tcp_port']}"
-        self.leases: list[str] = []  # granted by shared-memory gets, not yet released
-        self._stack = contextlib.ExitStack()
-        self._process = spec.process()
-
-    def __enter__(self) -> _Daemon:
-        self._stack.__enter__()
-        self._start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.__exit__(None, None, None)
-        self._process.__exit__()
-
-    def _start(self) -> None:
-        self._process.__enter__()
-        timeout = httpx.Timeout(HANG_S)
-        self.unix = self._stack.enter_context(
-            httpx.Client(
-                transport=httpx.HTTPTransport(uds=str(self.spec.socket_path)),
-                base_url="http://kvstore",
-                timeout=timeout,
-            )
-        )
-        self.tcp = self._stack.enter_context(httpx.Client(base_url=self.tcp_url, timeout=timeout))
-
-    def alive(self) -> bool:
-        proc = self._process.proc
-        return proc is not None and proc.poll() is None
-
-    def restart(self) -> None:
-        self._process.__exit__()
-        self._process = self.spec.process()
-        self._start()
-
-    def log_text(self) -> str:
-        with contextlib.suppress(OSError):
-            return self._process.log_path.read_text(errors="replace")
-        return ""
-
-    def log_tail(self) -> str:
-        return self._process.log_tail()
-
-
 # -- canary data -----------------------------------------------------------------------
 
 
@@ -207,7 +145,7 @@ class Canary:
     chunks: list[bytes]
 
 
-def _write_canary(daemon: _Daemon, name: str, index: int) -> Canary:
+def _write_canary(daemon: FuzzedDaemon, name: str, index: int) -> Canary:
     """Chain ``name`` of 6 chunks, put over the Unix socket (the last over TCP)."""
     namespace = Namespace("fuzz-canary", LAYOUT, tenant_salt=f"canary-{name}")
     tokens = np.arange(index * 10_000, index * 10_000 + 6 * LAYOUT.chunk_tokens, dtype=np.int64)
@@ -220,7 +158,7 @@ def _write_canary(daemon: _Daemon, name: str, index: int) -> Canary:
     return Canary(namespace, chunk_keys(namespace, tokens), chunks)
 
 
-def _canary_changes(daemon: _Daemon, canary: Canary) -> int:
+def _canary_changes(daemon: FuzzedDaemon, canary: Canary) -> int:
     """Chunks of ``canary`` that do not read back as written, over each transport
     (the Unix socket's gets use shared memory, TCP's bytes)."""
     changed = 0
@@ -233,7 +171,7 @@ def _canary_changes(daemon: _Daemon, canary: Canary) -> int:
 
 
 @contextlib.contextmanager
-def _client(daemon: _Daemon, *, tcp: bool) -> Iterator[Any]:
+def _client(daemon: FuzzedDaemon, *, tcp: bool) -> Iterator[Any]:
     url = daemon.tcp_url if tcp else daemon.spec.url
     with connect(url, token=daemon.token if tcp else None, timeout_s=HANG_S) as client:
         yield client
@@ -252,7 +190,7 @@ class Valid:
     put_metas: list[tuple[dict[str, Any], bytes]]  # (metadata, the blocks' bytes)
 
 
-def _valid(daemon: _Daemon) -> Valid:
+def _valid(daemon: FuzzedDaemon) -> Valid:
     """Valid bodies of every route, the fuzz chain stored and one of its leases granted."""
     namespace, keys, payloads = fuzz_chain()
     digest, hex_keys = namespace.digest.hex(), [key.hex() for key in keys]
@@ -310,19 +248,6 @@ def _valid(daemon: _Daemon) -> Valid:
 
 
 # -- HTTP targets ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HttpCase:
-    """One request as httpx sends it. ``credential`` (TCP only): ``right``, ``wrong``
-    or ``none``. A ``{lease}`` in ``path`` is replaced by a lease granted earlier."""
-
-    method: str
-    path: str
-    body: bytes = b""
-    content_type: str | None = None
-    tcp: bool = False
-    credential: str = "right"
 
 
 # Transport and credential: mostly a client that may be answered, sometimes one
@@ -443,9 +368,9 @@ def _operational_paths() -> st.SearchStrategy[str]:
     return st.builds(lambda p, q: p + q, path, query)
 
 
-def _http_targets(daemon: _Daemon, findings: Findings) -> list[Target]:
+def _http_targets(daemon: FuzzedDaemon, findings: Findings) -> list[Target]:
     valid = _valid(daemon)
-    sender = _Sender(daemon, findings)
+    sender = Sender(daemon, findings)
 
     def check(target: str) -> Callable[[HttpCase], None]:
         return lambda case: sender.send(target, case)
@@ -501,162 +426,6 @@ def _http_targets(daemon: _Daemon, findings: Findings) -> list[Target]:
         Target("operational", operational, check("operational")),
         Target("headers", headers, lambda case: sender.send_raw("headers", *case)),
     ]
-
-
-class _Sender:
-    """Sends requests and checks every answer against docs/http_api.md."""
-
-    def __init__(self, daemon: _Daemon, findings: Findings) -> None:
-        self.daemon = daemon
-        self.findings = findings
-
-    def send(self, target: str, case: HttpCase) -> None:
-        path = case.path
-        if "{lease}" in path:
-            path = path.replace(
-                "{lease}", self.daemon.leases.pop() if self.daemon.leases else "gone"
-            )
-        headers = {} if case.content_type is None else {"Content-Type": case.content_type}
-        if case.tcp and case.credential != "none":
-            token = (
-                self.daemon.token if case.credential == "right" else self.daemon.token[:-1] + "x"
-            )
-            headers["Authorization"] = f"Bearer {token}"
-        client = self.daemon.tcp if case.tcp else self.daemon.unix
-        replay = _as_http(case.method, path, headers, case.body)
-        try:
-            response = client.request(case.method, path, content=case.body, headers=headers)
-        except httpx.TimeoutException:
-            self.findings.answered(target, "hang")
-            self.findings.record("hangs", target, f"no answer within {HANG_S:g} s", replay)
-            return
-        except httpx.InvalidURL:
-            self.findings.answered(target, "unsendable")  # httpx refuses to send it
-            return
-        except httpx.TransportError as error:
-            # The daemon may close a connection it refused (a put's always closes).
-            self.findings.answered(target, f"closed ({type(error).__name__})")
-            return
-        self.findings.answered(target, str(response.status_code))
-        problem = self._problem(case, response)
-        if problem is not None:
-            kind, detail = problem
-            self.findings.record(kind, target, f"{detail}\n{response.text[:2000]}", replay)
-
-    def _problem(self, case: HttpCase, response: httpx.Response) -> tuple[str, str] | None:
-        status = response.status_code
-        if status >= 500:
-            return "http_5xx", f"HTTP {status}"
-        unauthenticated = case.tcp and case.credential != "right"
-        if unauthenticated and response.is_success and case.path.split("?")[0] != "/healthz":
-            return "auth_bypasses", f"HTTP {status} without the token"
-        if case.method == "HEAD":
-            return None
-        kind = response.headers.get("Content-Type", "").split(";")[0]
-        if status >= 400:
-            if kind == "text/plain" and status in (400, 413, 414, 431):
-                return None  # aiohttp's own parser refused it, before any route
-            return _error_body_problem(response.content)
-        if kind == FRAMES_CONTENT_TYPE:
-            return _frames_problem(response.content)
-        if kind == "application/json":
-            answer = json.loads(response.content)
-            if isinstance(answer, dict) and isinstance(answer.get("lease"), str):
-                self.daemon.leases.append(answer["lease"])
-        return None
-
-    def send_raw(self, target: str, access: tuple[bool, str], request: bytes) -> None:
-        tcp, credential = access
-        reply, answered = self._exchange(tcp, request)
-        if not answered:
-            self.findings.answered(target, "hang")
-            self.findings.record("hangs", target, f"no answer within {HANG_S:g} s", request)
-            return
-        match = re.match(rb"HTTP/1\.[01] (\d{3})", reply)
-        if match is None:
-            self.findings.answered(target, "closed")
-            return
-        status = int(match.group(1))
-        self.findings.answered(target, str(status))
-        if status >= 500:
-            self.findings.record("http_5xx", target, reply[:2000].decode("latin-1"), request)
-        elif tcp and credential != "right" and 200 <= status < 300 and not _open_path(request):
-            self.findings.record("auth_bypasses", target, reply[:2000].decode("latin-1"), request)
-
-    def _exchange(self, tcp: bool, request: bytes) -> tuple[bytes, bool]:
-        """Write ``request`` on a fresh connection; what came back, and whether the
-        daemon answered or closed within ``HANG_S``. A request unanswered after
-        ``_QUIET_S`` (a body shorter than its framing says, say) is half-closed, so
-        that the daemon sees nothing more is coming; an answer is read until the
-        daemon closes or pauses for ``_QUIET_S``."""
-        family = socket.AF_INET if tcp else socket.AF_UNIX
-        address: Any = (
-            ("127.0.0.1", int(self.daemon.spec.daemon["tcp_port"]))
-            if tcp
-            else str(self.daemon.spec.socket_path)
-        )
-        until = time.monotonic() + HANG_S
-        reply, half_closed = b"", False
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.settimeout(HANG_S)
-            sock.connect(address)
-            with contextlib.suppress(OSError):  # refused, and closed before reading it all
-                sock.sendall(request)
-            while (left := until - time.monotonic()) > 0:
-                sock.settimeout(min(left, _QUIET_S) if reply or not half_closed else left)
-                try:
-                    chunk = sock.recv(65536)
-                except TimeoutError:
-                    if reply:
-                        return reply, True  # answered; the connection is kept open
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_WR)
-                    half_closed = True
-                    continue
-                except OSError:
-                    return reply, True  # reset: closed
-                if not chunk:
-                    return reply, True
-                reply += chunk
-        return reply, bool(reply)
-
-
-def _error_body_problem(content: bytes) -> tuple[str, str] | None:
-    """Unless ``content`` is the JSON error of docs/http_api.md, what is wrong with it."""
-    try:
-        body = json.loads(content)
-        code, message = body["error"]["code"], body["error"]["message"]
-        ErrorCode(code)
-    except (ValueError, KeyError, TypeError):
-        return "malformed_responses", "an error answer that is not {error: {code, message}}"
-    if set(body) != {"error"} or not isinstance(message, str):
-        return "malformed_responses", "an error answer with other fields"
-    return None
-
-
-def _frames_problem(content: bytes) -> tuple[str, str] | None:
-    """Unless ``content`` is a frames body that decodes, what is wrong with it."""
-    decoder = FrameDecoder()
-    try:
-        decoder.feed(content)
-        decoder.finish()
-    except KVStoreError as error:
-        return "malformed_responses", f"a frames answer that does not decode: {error}"
-    return None
-
-
-def _as_http(method: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
-    """The request as raw HTTP/1.1 bytes, to replay with ``nc -U``."""
-    lines = [f"{method} {path} HTTP/1.1", "Host: kvstore", "Connection: close"]
-    lines += [f"{name}: {value}" for name, value in headers.items()]
-    lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogatepass") + body
-
-
-def _open_path(request: bytes) -> bool:
-    """Whether a raw request asks for ``/healthz`` (GET or HEAD), which needs no token."""
-    match = re.match(rb"[A-Za-z]+ (\S+)", request)
-    return match is not None and match.group(1).split(b"?")[0] == b"/healthz"
 
 
 def _first_traceback(log_text: str, limit: int = 4000) -> str:
