@@ -145,11 +145,17 @@ class Placement:
         pending = list(admissions)
         limit = len(pending)
         server_owned = kind in self.server_owned
+        # Once a walk of the victims frees nothing, none will until this call ends: its
+        # own blocks are protected and nothing else is unpinned meanwhile. The rest then
+        # takes free space only, instead of walking every pinned block again per block.
+        evictable = True
         while pending:
             if server_owned:
                 batch = pending[:limit]
             else:
-                batch = self._fill_batch(kind, pending[:limit], capacity, protect)
+                batch, evictable = self._fill_batch(
+                    kind, pending[:limit], capacity, protect, evictable
+                )
             if not batch:
                 spill.append(pending.pop(0))
                 continue
@@ -219,8 +225,10 @@ class Placement:
         pending: list[Admission],
         capacity: int,
         protect: frozenset[ChunkKey],
-    ) -> list[Admission]:
-        """The longest head of ``pending`` that fits ``kind`` after evicting for it."""
+        evictable: bool,
+    ) -> tuple[list[Admission], bool]:
+        """The longest head of ``pending`` that fits ``kind`` after evicting for it (only
+        into free space unless ``evictable``), and whether eviction may still free more."""
         tier = self.tiers[kind]
         batch: list[Admission] = []
         need = 0
@@ -230,11 +238,13 @@ class Placement:
             batch.append(admission)
             need += admission.block.nbytes
         while batch and tier.used_bytes() + need > capacity:
-            if not self.make_room(kind, tier.used_bytes() + need - capacity, protect):
-                # Nothing left to evict: shrink the batch to what fits now.
+            if not (
+                evictable and self.make_room(kind, tier.used_bytes() + need - capacity, protect)
+            ):
+                evictable = False  # nothing left to evict: shrink to what fits now
                 while batch and tier.used_bytes() + need > capacity:
                     need -= batch.pop().block.nbytes
-        return batch
+        return batch, evictable
 
     # -- reservations (blocks written in place) ----------------------------------
 

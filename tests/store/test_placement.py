@@ -182,6 +182,31 @@ def test_a_pinned_block_is_never_a_victim(build: Build) -> None:
     assert stack.stats.tier(DRAM).demotions == 1
 
 
+class Walks(LRUPolicy):
+    """LRU order, counting the walks of each tier's victims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walks: dict[TierKind, int] = {}
+
+    def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
+        self.walks[tier] = self.walks.get(tier, 0) + 1
+        return super().victims(tier)
+
+
+def test_a_tier_full_of_pinned_blocks_is_walked_once_per_admission_not_per_block(
+    build: Build,
+) -> None:
+    walks = Walks()
+    stack = build(dram=3, ssd=1 << 20, policy=walks)
+    stack.admit(DRAM, A[:3])
+    stack.index.pin(A[:3])  # running requests' KV: nothing in DRAM may go
+    assert stack.admit(DRAM, A[3:] + B) == set(A[3:] + B)
+    assert [set(stack.where(key)) for key in A[3:] + B] == [{SSD}] * 4
+    assert [set(stack.where(key)) for key in A[:3]] == [{DRAM}] * 3
+    assert walks.walks[DRAM] == 1
+
+
 def test_protected_blocks_stay_and_what_fits_nowhere_spills_or_is_dropped(build: Build) -> None:
     stack = build(dram=2, ssd=1 << 20)
     stack.admit(DRAM, A[:2])

@@ -223,6 +223,7 @@ def test_a_closed_loop_replay_is_deterministic_and_every_token_is_accounted() ->
     specs = parse_policies("lru,ttl:30,lognormal-tools,predictor,oracle")
     first = replay(workload, specs, config(12))
     second = replay(workload, specs, config(12), jobs=2)  # in worker processes: the same
+    assert [result.name for result in second] == [spec.name for spec in specs]  # in order
     for one, other in zip(first, second, strict=True):
         assert one.gpu_seconds == other.gpu_seconds and one.calls == other.calls
         assert one.requests == 40
