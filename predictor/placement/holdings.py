@@ -50,20 +50,22 @@ class Holdings:
         sessions that own any of them, in order of first mention. Their ranks there are
         the caller's to set."""
         ranking = self.tiers[tier]
-        entered = self._entered[tier]
+        entered, owners, filed = self._entered[tier], self._owner, ranking.owner
         anonymous: list[ChunkKey] = []
         touched: dict[str, None] = {}
-        for key in keys:
+        for key in keys:  # once per block a request reads or writes: kept lean
             if key not in entered:
                 entered[key] = now
                 self._prefixes.entered(tier, key)
             if session is not None:
-                self._owner[key] = session
-            owner = self._owner.get(key)
-            if owner is None:
+                owners[key] = owner = session
+            elif (known := owners.get(key)) is not None:
+                owner = known
+            else:
                 anonymous.append(key)
                 continue
-            ranking.add(key, owner)
+            if filed.get(key) != owner:
+                ranking.add(key, owner)
             touched[owner] = None
         if anonymous:
             self._anonymous.on_access(tier, anonymous)

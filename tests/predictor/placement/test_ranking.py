@@ -3,6 +3,9 @@ the gaps seen (``GapShape``)."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
 from kvstore.predictor.learning.online import ReturnForecast
@@ -54,3 +57,19 @@ def test_between_horizons_the_gaps_seen_give_the_shape() -> None:
     # With too few gaps seen there, the forecast's own interpolation is read.
     assert idle.within(150.0, GapShape()) == pytest.approx(idle.forecast.within(150.0))
     assert idle.within(150.0, GapShape()) < shaped
+
+
+def test_gap_counts_interpolate_in_log_time_exactly_as_numpy_would() -> None:
+    """The count is read millions of times a replay, in Python, not with ``np.interp``:
+    the same numbers to the last bit, so a replay's decisions do not move."""
+    rng = np.random.default_rng(0)
+    shape = GapShape()
+    edges = np.log1p(np.asarray(GapShape.EDGES))
+    for gap in rng.lognormal(4.0, 2.5, size=500):
+        shape.add(float(gap))
+    cumulative = np.asarray([shape.count(edge) for edge in GapShape.EDGES])
+    assert cumulative[0] == 0.0 and cumulative[-1] == 500.0
+    probes = [0.0, *GapShape.EDGES, 1e9, *rng.lognormal(4.0, 3.0, size=300).tolist()]
+    for seconds in probes:
+        expected = float(np.interp(math.log1p(seconds), edges, cumulative))
+        assert shape.count(seconds) == expected, seconds
