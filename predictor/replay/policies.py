@@ -52,8 +52,9 @@ _BASELINES = frozenset(
     }
 )
 
-# Measured on 142 conversations, 16 users, one core: what moves each policy's chains
-# (timers, forecasts, a model learning online) costs on top of the store's own work.
+# How long each policy's replay takes against LRU's (1.0), by which ``replay_runs``
+# starts the longest first. Timed on 142 conversations, 16 users, one core, for the
+# TTL, lognormal-tools and the predictor; the others are put beside their kin.
 _WORK = {
     PolicyKind.TTL: 1.4,
     PolicyKind.TOOL_AWARE: 1.2,
@@ -87,7 +88,7 @@ class PolicySpec:
 
     @property
     def work(self) -> float:
-        """About how long a replay under this policy takes, relative to LRU's."""
+        """About how long a replay under this policy takes, relative to LRU's (``_WORK``)."""
         return _WORK.get(self.kind, 1.0)
 
 
