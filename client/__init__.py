@@ -18,6 +18,7 @@ One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``)::
                                      transports.py       Unix socket or TCP, bounded pools
                                      blocking.py         one blocking exchange, both shells
         ClientProtocol               protocol.py         every operation, sans-IO generators
+          Call, Reply                exchange.py         one exchange asked for, its answer read
           FramesSink, copy_leased    blocks.py           verify each received block
           PutBody                    put_body.py         a put's frames, sealed as it goes
           open_body                  get_body.py         a get's body read off the socket

@@ -14,17 +14,9 @@ from typing import Any, Concatenate, ParamSpec
 import httpx
 
 from kvstore.client.blocking import STALE_CONNECTION, send
+from kvstore.client.exchange import MAX_DETACHED_CALLS, Call, Operation, Reply, T
 from kvstore.client.failures import ClientStats, from_reply, from_transport
-from kvstore.client.protocol import (
-    DEFAULTS,
-    MAX_DETACHED_CALLS,
-    Call,
-    ClientOptions,
-    ClientProtocol,
-    Operation,
-    Reply,
-    T,
-)
+from kvstore.client.protocol import DEFAULTS, ClientOptions, ClientProtocol
 from kvstore.client.put_body import PutBody
 from kvstore.errors import KVStoreError
 from kvstore.store.closing import AsyncClosing

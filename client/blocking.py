@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
+from kvstore.client.exchange import Call, Reply
 from kvstore.client.failures import from_transport
 from kvstore.client.get_body import open_body
-from kvstore.client.protocol import Call, Reply
 
 # Errors of a connection that died before answering (a keep-alive connection the
 # daemon closed, a daemon restart): the call is sent once more, on a new connection.

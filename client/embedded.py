@@ -17,8 +17,9 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec
 
+from kvstore.client.exchange import Operation
 from kvstore.client.failures import ClientStats
-from kvstore.client.protocol import ClientProtocol, Operation
+from kvstore.client.protocol import ClientProtocol
 from kvstore.store.async_store import AsyncTieredStore
 from kvstore.store.tiered_store import TieredStore
 

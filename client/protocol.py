@@ -40,15 +40,14 @@ writes to the caller's buffers afterwards.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +59,7 @@ from kvstore.client.blocks import (
     tier_of,
 )
 from kvstore.client.buffers import BufferPool
+from kvstore.client.exchange import Call, Operation, Reply, checked, post, store_stats
 from kvstore.client.failures import ClientStats, answer_field, from_reply, unavailable
 from kvstore.client.leased_copy import LeasedCopier
 from kvstore.client.put_body import PutBody
@@ -75,7 +75,7 @@ from kvstore.errors import (
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
 from kvstore.store.out_buffers import OutBuffers, host_arrays
-from kvstore.store.stats import StoreStats, TierCounters
+from kvstore.store.stats import StoreStats
 from kvstore.throttled_log import ThrottledLog
 from kvstore.wire.events import (
     MAX_EVENT_KEYS,
@@ -84,57 +84,16 @@ from kvstore.wire.events import (
     SessionEvent,
     Trigger,
 )
-from kvstore.wire.frames import FRAMES_CONTENT_TYPE, Seal
+from kvstore.wire.frames import Seal
 from kvstore.wire.messages import API_PREFIX, GetTransfer, namespace_to_json
-
-T = TypeVar("T")
 
 log = logging.getLogger("kvstore.client")
 _LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # Bytes of plain gets' payload buffers a client keeps for reuse (``client.buffers``).
 BUFFER_POOL_BYTES = 256 << 20
-# Calls a shell sends in the background at once (``Call.wait=False``); past
-# that, it sends the next one in place. Each is a lease the daemon still holds.
-MAX_DETACHED_CALLS = 16
 # How long a finished lease waits to ride on this client's next get before it
 # is released by a request of its own (``FinishedLeases``).
 RELEASE_DELAY_S = 0.2
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One HTTP exchange an operation asks for.
-
-    ``body`` is a frames body, sent piece by piece without joining; ``sink``
-    receives a ``200`` frames answer as it streams in (any other answer is
-    read whole into ``Reply.content``). ``retry``: safe to send again when a
-    connection died before any answer (every call but events is idempotent:
-    a key names its content). ``wait=False``: nothing depends on the answer
-    (a lease release), so the shell may send it in the background, resume
-    the operation at once with ``Reply(202)``, and only log how it went.
-
-    ``delay_s`` (``wait=False`` only): the shell holds the call back this long
-    before sending it in the background. ``due``: asked just before the call
-    is sent, by any shell, however it sends it; ``False`` means what the call
-    was for was done another way (a lease released with a get), so it is
-    not sent, and answers ``Reply(202)`` if anything waits.
-    """
-
-    method: str
-    path: str
-    json: Any = None
-    body: PutBody | None = None
-    sink: FramesSink | None = None
-    retry: bool = True
-    wait: bool = True
-    delay_s: float = 0.0
-    due: Callable[[], bool] | None = None
-
-    @property
-    def headers(self) -> dict[str, str]:
-        if self.body is None:
-            return {}
-        return {"Content-Type": FRAMES_CONTENT_TYPE, "Content-Length": str(self.body.nbytes)}
 
 
 class FinishedLeases:
@@ -180,17 +139,6 @@ class FinishedLeases:
 
     def __len__(self) -> int:
         return len(self._ids)
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """The answer to a ``Call``; ``content`` is empty when it streamed into the sink."""
-
-    status: int
-    content: bytes = b""
-
-
-Operation = Generator[Call, Reply, T]
 
 
 @dataclass(frozen=True)
@@ -286,7 +234,7 @@ class ClientProtocol:
             return nothing
         request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
         try:
-            body = yield from self._namespaced(namespace, lambda: _post("/lookup", request))
+            body = yield from self._namespaced(namespace, lambda: post("/lookup", request))
             run = answer_field(body, "num_chunks", int)
             tiers = tuple(tier_of(label) for label in answer_field(body, "tiers", list))
             load = body.get("load_chunks")  # None: all of them (and from older daemons)
@@ -319,7 +267,7 @@ class ClientProtocol:
         def put_call() -> Call:
             # Made after the namespace is registered: the answer says who seals.
             body = PutBody(namespace, keys, payloads, session, seal=self._seal)
-            return _post("/put", body=body)
+            return post("/put", body=body)
 
         try:
             answer = yield from self._namespaced(namespace, put_call)
@@ -361,7 +309,7 @@ class ClientProtocol:
         if not keys:
             return 0
         request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
-        answer = yield from self._namespaced(namespace, lambda: _post("/delete", request))
+        answer = yield from self._namespaced(namespace, lambda: post("/delete", request))
         return answer_field(answer, "deleted", int)
 
     def stats(self) -> Operation[StoreStats]:
@@ -430,7 +378,7 @@ class ClientProtocol:
 
     def _report(self, event: SessionEvent) -> Operation[None]:
         try:
-            yield from self._send(_post("/events", event.to_json(), retry=False))
+            yield from self._send(post("/events", event.to_json(), retry=False))
         except TierUnavailable:
             with self._lock:
                 self._stats.events_dropped += 1
@@ -456,7 +404,7 @@ class ClientProtocol:
         if continues:
             request["continues"] = True
         try:
-            yield from self._namespaced(namespace, lambda: _post("/get", request, sink=sink))
+            yield from self._namespaced(namespace, lambda: post("/get", request, sink=sink))
         except BaseException:
             sink.settle()
             raise
@@ -479,7 +427,7 @@ class ClientProtocol:
         tensors = buffers.tensors if buffers is not None and self.verify is Verify.FAST else None
         if tensors is not None and self.device_memory:
             request["device_memory"] = True
-        lease = yield from self._namespaced(namespace, lambda: _post("/get", request))
+        lease = yield from self._namespaced(namespace, lambda: post("/get", request))
         try:
             received, fallbacks = self._leased.copy(lease, namespace, keys, buffers)
             if fallbacks:
@@ -505,7 +453,7 @@ class ClientProtocol:
             log.info("the daemon has no DRAM arena to share; getting blocks as bytes")
             return
         try:
-            self._leased.open_arena(answer_field(_checked(reply), "name", str))
+            self._leased.open_arena(answer_field(checked(reply), "name", str))
         except TierUnavailable as error:  # e.g. another /dev/shm (a container)
             log.warning("getting blocks as bytes: %s", error)
 
@@ -523,18 +471,18 @@ class ClientProtocol:
             return
         if lease.get("release_with_get") is True:
             self._finished.add(lease_id)
-            call = _post(
+            call = post(
                 f"/leases/{lease_id}/release",
                 wait=False,
                 delay_s=self.release_delay_s,
                 due=functools.partial(self._finished.claim, lease_id),
             )
         else:  # a daemon that does not take releases with a get
-            call = _post(f"/leases/{lease_id}/release", wait=False)
+            call = post(f"/leases/{lease_id}/release", wait=False)
         try:
             reply = yield from self._exchange(call)
             if reply.status != 202:  # answered in place, not sent in the background
-                _checked(reply)
+                checked(reply)
         except KVStoreError as error:
             log.debug("lease %s not released (it will expire): %s", lease_id, error)
 
@@ -553,7 +501,7 @@ class ClientProtocol:
         return (yield from self._send(make()))
 
     def _register(self, namespace: Namespace) -> Operation[None]:
-        answer = yield from self._send(_post("/namespaces", namespace_to_json(namespace)))
+        answer = yield from self._send(post("/namespaces", namespace_to_json(namespace)))
         digest = answer_field(answer, "namespace", str)
         if digest != namespace.digest.hex():
             raise KVStoreError(
@@ -566,7 +514,7 @@ class ClientProtocol:
     def _send(self, call: Call) -> Operation[Any]:
         """One exchange: its JSON answer (``None`` if it streamed into the sink), or
         the error it stands for (``client.failures``)."""
-        return _checked((yield from self._exchange(call)))
+        return checked((yield from self._exchange(call)))
 
     def _exchange(self, call: Call) -> Operation[Reply]:
         """One exchange, unless the daemon failed less than ``backoff_s`` ago; a
@@ -584,10 +532,6 @@ class ClientProtocol:
 
 
 # -- requests and answers ---------------------------------------------------------
-
-
-def _post(path: str, request: Any = None, **options: Any) -> Call:
-    return Call("POST", f"{API_PREFIX}{path}", request, **options)
 
 
 def _get_request(
@@ -620,41 +564,11 @@ def _put_payloads(
     return [None if chunk is None else chunk_bytes(chunk, namespace.layout) for chunk in kv_chunks]
 
 
-def _checked(reply: Reply) -> Any:
-    """The JSON of a ``200`` reply; the mapped error of any other."""
-    if reply.status != 200:
-        raise from_reply(reply.status, reply.content)
-    if not reply.content:
-        return None
-    try:
-        return json.loads(reply.content)
-    except ValueError:
-        raise unavailable("malformed response: not JSON") from None
-
-
 def _load_ok(load: Any, run: int) -> bool:
     """A lookup's ``load_chunks``: absent (load them all) or a count up to the run."""
     return load is None or (
         isinstance(load, int) and not isinstance(load, bool) and 0 <= load <= run
     )
-
-
-def store_stats(data: dict[str, Any]) -> StoreStats:
-    """``StoreStats.to_dict()`` parsed back; fields this version does not know are skipped."""
-    counters = {spec.name for spec in fields(TierCounters)}
-    scalars = {spec.name for spec in fields(StoreStats)} - {"tiers"}
-    try:
-        return StoreStats(
-            **{name: int(value) for name, value in data.items() if name in scalars},
-            tiers={
-                tier_of(label): TierCounters(
-                    **{name: int(value) for name, value in tier.items() if name in counters}
-                )
-                for label, tier in data.get("tiers", {}).items()
-            },
-        )
-    except (AttributeError, TypeError, ValueError):
-        raise unavailable("malformed response: bad store stats") from None
 
 
 def _now(when: float | None) -> float:

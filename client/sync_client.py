@@ -17,17 +17,9 @@ from typing import Concatenate, ParamSpec
 import httpx
 
 from kvstore.client.blocking import send
+from kvstore.client.exchange import MAX_DETACHED_CALLS, Call, Operation, Reply, T
 from kvstore.client.failures import ClientStats, from_reply
-from kvstore.client.protocol import (
-    DEFAULTS,
-    MAX_DETACHED_CALLS,
-    Call,
-    ClientOptions,
-    ClientProtocol,
-    Operation,
-    Reply,
-    T,
-)
+from kvstore.client.protocol import DEFAULTS, ClientOptions, ClientProtocol
 from kvstore.errors import KVStoreError
 from kvstore.store.closing import Closing
 

@@ -41,7 +41,8 @@ from kvstore import (
 from kvstore.block import HEADER_BYTES, encode_block
 from kvstore.client import AsyncStoreClient, ClientStats, StoreClient, async_client, sync_client
 from kvstore.client.address import TOKEN_ENV, Address, Scheme, bearer_token
-from kvstore.client.protocol import Call, ClientOptions, ClientProtocol, Reply
+from kvstore.client.exchange import Call, Reply
+from kvstore.client.protocol import ClientOptions, ClientProtocol
 from kvstore.client.put_body import BODY_SLICE_BYTES
 from kvstore.client.shm import SharedArena
 from kvstore.errors import ConfigError
