@@ -32,7 +32,7 @@ from faults.campaign import DaemonSpec
 from kvstore.client import StoreClient
 from kvstore.keys import Namespace
 from kvstore.tiers.kinds import TierKind
-from kvstore.tiers.local_redis import RedisCluster
+from kvstore.tiers.local_redis_cluster import RedisCluster
 
 SIZE = CHUNK_2MIB
 REDIS = TierKind.REDIS.label

@@ -15,6 +15,7 @@
     redis_access.py how the Redis tier reaches its server: addresses, AUTH/ACL, TLS
     redis_routing.py how one batch reaches each master of a Redis Cluster
     local_redis.py  private redis-server processes (the replay's, the benchmarks', the tests')
+    local_redis_cluster.py  a private Redis Cluster of them (fail-over, slot migration)
 
 A tier neither chooses what to evict nor knows about prefixes: that is the
 store's (``kvstore.store``). May import: the format (``kvstore.errors``,

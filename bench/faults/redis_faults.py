@@ -71,7 +71,8 @@ from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
 from kvstore.processes import CLUSTER_BUS_OFFSET, HOST
 from kvstore.store.chunk import KVChunk
 from kvstore.tiers.kinds import TierKind
-from kvstore.tiers.local_redis import RedisCluster, RedisServer
+from kvstore.tiers.local_redis import RedisServer
+from kvstore.tiers.local_redis_cluster import RedisCluster
 
 SCENARIO = "redis_faults"
 

@@ -32,7 +32,7 @@ from support.hosts import (
 from kvstore.client.failures import ClientStats
 from kvstore.keys import KVLayout, Namespace
 from kvstore.tiers.kinds import TierKind
-from kvstore.tiers.local_redis import RedisCluster
+from kvstore.tiers.local_redis_cluster import RedisCluster
 
 pytestmark = pytest.mark.cluster
 

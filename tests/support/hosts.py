@@ -40,7 +40,7 @@ import kvstore
 from kvstore.client.api import KVClientAPI
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
 from kvstore.store.chunk import KVChunk
-from kvstore.tiers.local_redis import RedisCluster
+from kvstore.tiers.local_redis_cluster import RedisCluster
 from support.daemon import Daemon
 from support.redis_tiers import redis_key
 

@@ -33,13 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.tiers.local_redis import (
-    REDIS_CLI,
-    REDIS_SERVER,
-    RedisCluster,
-    RedisServer,
-    ServerTLS,
-)
+from kvstore.tiers.local_redis import REDIS_CLI, REDIS_SERVER, RedisServer, ServerTLS
+from kvstore.tiers.local_redis_cluster import RedisCluster
 
 CLUSTER_PASSWORD = "cluster-secret"
 OPENSSL = shutil.which("openssl")

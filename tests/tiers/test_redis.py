@@ -21,7 +21,8 @@ from kvstore.keys import ChunkKey, KVLayout, Namespace
 from kvstore.processes import free_port
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.kinds import TierKind
-from kvstore.tiers.local_redis import RedisCluster, RedisServer
+from kvstore.tiers.local_redis import RedisServer
+from kvstore.tiers.local_redis_cluster import RedisCluster
 from kvstore.tiers.redis_tier import RedisTier
 
 

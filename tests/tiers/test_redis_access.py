@@ -25,7 +25,8 @@ from support.redis_tiers import NS, MakeTier, make_blocks
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
-from kvstore.tiers.local_redis import RedisCluster, RedisServer
+from kvstore.tiers.local_redis import RedisServer
+from kvstore.tiers.local_redis_cluster import RedisCluster
 from kvstore.tiers.redis_access import RedisAccess
 from kvstore.tiers.redis_tier import RedisTier
 from kvstore.tiers.registry import TierConfig
