@@ -13,6 +13,7 @@
     lmdb_tier.py    local SSD through one LMDB environment
     redis_tier.py   Redis or Redis Cluster, the tier shared between hosts
     redis_access.py how the Redis tier reaches its server: addresses, AUTH/ACL, TLS
+    redis_masters.py a cluster's masters, each answering for itself (a breaker each)
     redis_routing.py how one batch reaches each master of a Redis Cluster
     local_redis.py  private redis-server processes (the replay's, the benchmarks', the tests')
     local_redis_cluster.py  a private Redis Cluster of them (fail-over, slot migration)

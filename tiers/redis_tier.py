@@ -22,7 +22,7 @@ Key layout::
 Every batch is one pipelined round trip (``transaction=False``: no
 ``MULTI``/``EXEC``, which a cluster could not run across slots anyway); in a
 cluster, one per master, each master's share sent on its own
-(``_run_per_node``). A prefix of hundreds of chunks therefore costs one network
+(``redis_masters``). A prefix of hundreds of chunks therefore costs one network
 round trip per master, not hundreds. Reads use pipelined
 ``GET`` rather than ``MGET``: measured with 2 MiB values on loopback, the two
 run at the same speed (8 keys: 5-9 ms either way; 64 keys: 105-135 ms either
@@ -75,7 +75,6 @@ start when a write-through tier's servers do not.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -89,20 +88,19 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.block import HEADER_BYTES, Block
-from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
 from kvstore.tiers import redis_routing
 from kvstore.tiers.base import BlockDestination, Buffer, ServerMemory, StoredBlockInfo, scatter
 from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.redis_access import RedisAccess, host_port, split_url
+from kvstore.tiers.redis_masters import ClusterMasters
 
 log = logging.getLogger(__name__)
 
 _TIER = TierKind.REDIS.label
 _NAMESPACE_BYTES = 16
 _SCAN_BATCH = 256
-_FAN_OUT_THREADS = 16  # masters a batch is sent to at once
 # A pooled connection idle longer than this is PINGed before use, so a socket
 # silently dropped by a firewall or proxy is replaced instead of timing out.
 _HEALTH_CHECK_INTERVAL_S = 15
@@ -197,12 +195,7 @@ class RedisTier:
         self._sizes: dict[bytes, int] = {}
         self._used = 0
         self._closed = False
-        # Under ``_lock``: how many shares have failed in all (one per master per batch),
-        # and a breaker per master (``_breaker``) that answers for a master while it is
-        # down, so its share costs nothing and the rest of a batch is served.
-        self._node_failures = 0
-        self._breakers: dict[str, CircuitBreaker] = {}
-        self._breaker_config = BreakerConfig(min_open_s=0.5, max_open_s=10.0)
+        self._masters = ClusterMasters()  # a cluster's: a breaker per master
         connection_kwargs: dict[str, Any] = {
             "decode_responses": False,
             "socket_timeout": socket_timeout_s,
@@ -212,7 +205,6 @@ class RedisTier:
             **access.client_kwargs(),
         }
         self._pool: redis.BlockingConnectionPool | None = None
-        self._fan_out: concurrent.futures.ThreadPoolExecutor | None = None  # cluster shares
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         if cluster:
             # Built on first use: RedisCluster fetches the slot map in its
@@ -278,7 +270,7 @@ class RedisTier:
         with _backend_errors(operation):
             client = self._redis()
             if isinstance(client, redis.cluster.RedisCluster):
-                return self._run_per_node(client, commands)
+                return self._masters.run(client, commands)
             pipe = client.pipeline(transaction=False)
             try:
                 for command in commands:
@@ -290,109 +282,15 @@ class RedisTier:
             finally:
                 pipe.reset()
 
-    def _run_per_node(
-        self, client: redis.cluster.RedisCluster, commands: Sequence[tuple[Any, ...]]
-    ) -> list[Any]:
-        """``commands`` split by master, one pipelined round trip per master's share.
-
-        A master that is down or hung fails only its share: those results are
-        ``redis_routing.Unreached``, and the rest of the batch is served. Its failure opens its
-        breaker: while open, its shares are ``redis_routing.Unreached`` at once, without a round
-        trip, until a probe (PING, on the breaker's thread) finds it answering. Only
-        when no master of the cluster answers does the batch raise, as a standalone
-        Redis that is down does (and the tier's own breaker takes over). A refused
-        login raises whatever the other masters said.
-
-        Shares go to the masters at once, each on a thread of the tier's own, so a
-        batch waits for its slowest master, not for the sum of them: a host cut off
-        from the cluster pays one timeout per call, not one per master.
-        """
-        results: list[Any] = [None] * len(commands)
-        answered = 0
-        failed: dict[str, BaseException] = {}
-        asked: dict[str, list[int]] = {}
-        for node, positions in redis_routing.shares(client, commands).items():
-            if self._breaker(client, node).allow():
-                asked[node] = positions
-            else:
-                for i in positions:
-                    results[i] = redis_routing.Unreached(node)
-        shares = {node: [commands[i] for i in positions] for node, positions in asked.items()}
-        for node, answers in self._send_shares(client, shares).items():
-            positions = asked[node]
-            breaker = self._breaker(client, node)
-            if any(isinstance(answer, redis_routing.LINK_LOST) for answer in answers):
-                redis_routing.drop_node_connections(client, node)
-            for i, answer in zip(positions, answers, strict=True):
-                if isinstance(answer, redis_routing.REFUSED):
-                    raise answer
-                if redis_routing.is_node_down(answer):
-                    failed.setdefault(node, answer)
-                    answer = redis_routing.Unreached(node)
-                results[i] = answer
-            if node in failed:
-                breaker.failed()
-            else:
-                answered += 1
-        with self._lock:
-            self._node_failures += len(failed)
-        if failed and not answered and self._all_masters_down(client):
-            raise next(iter(failed.values()))
-        return results
-
-    def _send_shares(
-        self, client: redis.cluster.RedisCluster, shares: dict[str, list[tuple[Any, ...]]]
-    ) -> dict[str, list[Any]]:
-        """Each master's share sent at once (``redis_routing.send_share``), answers by master."""
-        if len(shares) <= 1:
-            return {
-                node: redis_routing.send_share(client, node, share)
-                for node, share in shares.items()
-            }
-        with self._lock:
-            if self._closed:
-                raise TierUnavailable(_TIER, "tier is closed")
-            if self._fan_out is None:
-                self._fan_out = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=_FAN_OUT_THREADS, thread_name_prefix="kvstore-redis-master"
-                )
-            fan_out = self._fan_out
-        futures = {
-            node: fan_out.submit(redis_routing.send_share, client, node, share)
-            for node, share in shares.items()
-        }
-        return {node: future.result() for node, future in futures.items()}
-
-    def _breaker(self, client: redis.cluster.RedisCluster, node: str) -> CircuitBreaker:
-        """Master ``node``'s breaker (made on first use); its probe PINGs the master."""
-        with self._lock:
-            breaker = self._breakers.get(node)
-            if breaker is None:
-                breaker = self._breakers[node] = CircuitBreaker(
-                    f"redis master {node}",
-                    lambda: redis_routing.ping(client, node),
-                    self._breaker_config,
-                )
-            return breaker
-
-    def _all_masters_down(self, client: redis.cluster.RedisCluster) -> bool:
-        """Whether every master the slot map knows has its breaker open."""
-        with self._lock:
-            breakers = dict(self._breakers)
-        masters = {node.name for node in client.get_primaries()} or set(breakers)
-        return all(node in breakers and breakers[node].is_open for node in masters)
-
     @property
     def node_failures(self) -> int:
         """How many times a cluster master failed its share of a batch (once per master
         per batch, however many keys the share held)."""
-        with self._lock:
-            return self._node_failures
+        return self._masters.failures
 
     def unreachable_nodes(self) -> frozenset[str]:
         """The masters (``host:port``) whose breaker is open: their keys are misses."""
-        with self._lock:
-            return frozenset(node for node, breaker in self._breakers.items() if breaker.is_open)
+        return self._masters.unreachable()
 
     def _forget(self, redis_keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -433,7 +331,7 @@ class RedisTier:
             with _backend_errors("put_many"):
                 raise refused
         if unreached:
-            # The cluster is up in part (``_run_per_node`` raised if no master was): the
+            # The cluster is up in part (``ClusterMasters.run`` raised if none was): the
             # tier's breaker (``kvstore.breaker``) must not take the others out with it.
             nodes = ", ".join(sorted({result.node for result in unreached}))
             raise TierRefused(
@@ -595,7 +493,7 @@ class RedisTier:
                 infos = []
                 for node in masters:
                     node_client = redis_routing.node_client(client, node.name)
-                    if node_client is None or not self._breaker(client, node.name).allow():
+                    if node_client is None or not self._masters.allows(client, node.name):
                         continue
                     with contextlib.suppress(redis.exceptions.RedisError):
                         infos.append(node_client.info("memory"))
@@ -620,11 +518,7 @@ class RedisTier:
                 return
             self._closed = True
             client, self._client = self._client, None
-            breakers = list(self._breakers.values())
-        for breaker in breakers:
-            breaker.close()
-        if self._fan_out is not None:
-            self._fan_out.shutdown(wait=True)
+        self._masters.close()
         if client is not None:
             client.close()
         if self._pool is not None:
