@@ -186,7 +186,7 @@ class AsyncStoreClient(AsyncClosing):
             return await self._http.send(self._request(call), stream=True)
 
     def _request(self, call: Call) -> httpx.Request:
-        content: Any = None if call.body is None else _pieces(call.body)
+        content: Any = call.content if call.body is None else _pieces(call.body)
         return self._http.build_request(
             call.method, call.path, json=call.json, content=content, headers=call.headers
         )

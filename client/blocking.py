@@ -58,7 +58,7 @@ def _open(http: httpx.Client, call: Call) -> httpx.Response:
 
 
 def _request(http: httpx.Client, call: Call) -> httpx.Request:
-    content: Any = None if call.body is None else iter(call.body)
+    content: Any = call.content if call.body is None else iter(call.body)
     return http.build_request(
         call.method, call.path, json=call.json, content=content, headers=call.headers
     )

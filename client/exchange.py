@@ -14,7 +14,7 @@ from kvstore.client.failures import from_reply, unavailable
 from kvstore.client.put_body import PutBody
 from kvstore.store.stats import StoreStats, TierCounters
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE
-from kvstore.wire.messages import API_PREFIX
+from kvstore.wire.messages import API_PREFIX, KEYS_CONTENT_TYPE
 
 T = TypeVar("T")
 
@@ -27,7 +27,8 @@ MAX_DETACHED_CALLS = 16
 class Call:
     """One HTTP exchange an operation asks for.
 
-    ``body`` is a frames body, sent piece by piece without joining; ``sink``
+    ``body`` is a frames body, sent piece by piece without joining; ``content``
+    raw bytes of ``KEYS_CONTENT_TYPE`` (a lookup's keys); ``sink``
     receives a ``200`` frames answer as it streams in (any other answer is
     read whole into ``Reply.content``). ``retry``: safe to send again when a
     connection died before any answer (every call but events is idempotent:
@@ -46,6 +47,7 @@ class Call:
     path: str
     json: Any = None
     body: PutBody | None = None
+    content: bytes | None = None
     sink: FramesSink | None = None
     retry: bool = True
     wait: bool = True
@@ -54,6 +56,8 @@ class Call:
 
     @property
     def headers(self) -> dict[str, str]:
+        if self.content is not None:
+            return {"Content-Type": KEYS_CONTENT_TYPE}
         if self.body is None:
             return {}
         return {"Content-Type": FRAMES_CONTENT_TYPE, "Content-Length": str(self.body.nbytes)}

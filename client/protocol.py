@@ -77,6 +77,7 @@ from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
 from kvstore.store.out_buffers import OutBuffers, host_arrays
 from kvstore.store.stats import StoreStats
 from kvstore.throttled_log import ThrottledLog
+from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import (
     MAX_EVENT_KEYS,
     RequestFinished,
@@ -85,7 +86,7 @@ from kvstore.wire.events import (
     Trigger,
 )
 from kvstore.wire.frames import Seal
-from kvstore.wire.messages import API_PREFIX, GetTransfer, namespace_to_json
+from kvstore.wire.messages import API_PREFIX, GetTransfer, keys_to_bytes, namespace_to_json
 
 log = logging.getLogger("kvstore.client")
 _LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -232,11 +233,12 @@ class ClientProtocol:
         nothing = CachedPrefix(namespace.chunk_tokens, (), (), len(keys))
         if not keys:
             return nothing
-        request = {"namespace": namespace.digest.hex(), "keys": [key.hex() for key in keys]}
+        path = f"/lookup?namespace={namespace.digest.hex()}"
+        content = keys_to_bytes(keys)
         try:
-            body = yield from self._namespaced(namespace, lambda: post("/lookup", request))
+            body = yield from self._namespaced(namespace, lambda: post(path, content=content))
             run = answer_field(body, "num_chunks", int)
-            tiers = tuple(tier_of(label) for label in answer_field(body, "tiers", list))
+            tiers = _tier_runs(answer_field(body, "tier_runs", list))
             load = body.get("load_chunks")  # None: all of them (and from older daemons)
             if not 0 <= run <= len(keys) or len(tiers) != run or not _load_ok(load, run):
                 raise unavailable(f"malformed lookup answer {body!r}")
@@ -562,6 +564,16 @@ def _put_payloads(
     is sent: views of the caller's data, not copies (CPU tensors), which
     ``PutBody`` frames as it sends them."""
     return [None if chunk is None else chunk_bytes(chunk, namespace.layout) for chunk in kv_chunks]
+
+
+def _tier_runs(runs: list[Any]) -> tuple[TierKind, ...]:
+    """A raw lookup's ``tier_runs`` (``[[label, count], ...]``) as one tier per chunk."""
+    tiers: list[TierKind] = []
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 2 and isinstance(run[1], int)):
+            raise unavailable(f"malformed lookup answer: tier run {run!r}")
+        tiers += [tier_of(run[0])] * max(0, run[1])
+    return tuple(tiers)
 
 
 def _load_ok(load: Any, run: int) -> bool:

@@ -73,6 +73,7 @@ import torch
 
 from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
+from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.scheduler import SchedulerSide
 from kvstore.client.vllm.sessions import SessionEvents
@@ -106,6 +107,14 @@ def _session_events(config: Any, store: KVClient, pages: PageFormat) -> SessionE
     return SessionEvents(store, pages, tool_call_end) if enabled else None
 
 
+def _milliseconds(config: Any, name: str, default_s: float) -> float:
+    """Extra config ``name``, in milliseconds, as seconds (``default_s`` when absent)."""
+    value = config.get_from_extra_config(name, default_s * 1e3)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e7:
+        raise ConfigError(f"{name} must be a number of milliseconds, not {value!r}")
+    return float(value) / 1e3
+
+
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     """One step's plan, from the scheduler side to every worker."""
@@ -136,7 +145,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             cache_config = vllm_config.cache_config
             hash_block_size = cache_config.hash_block_size or cache_config.block_size
             events = _session_events(transfer_config, self._store, pages)
-            self._scheduler = SchedulerSide(self._store, pages, int(hash_block_size), events)
+            self._scheduler = SchedulerSide(
+                self._store,
+                pages,
+                int(hash_block_size),
+                events,
+                lookup_wait_s=_milliseconds(transfer_config, "lookup_wait_ms", WAIT_S),
+                lookup_deadline_s=_milliseconds(transfer_config, "lookup_deadline_ms", DEADLINE_S),
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -193,6 +209,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._store.close()
 
     # -- scheduler side ----------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_side.arrived(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

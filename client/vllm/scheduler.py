@@ -1,11 +1,12 @@
 """The scheduler side of the vLLM connector: what to load and what to save, per step.
 
-It runs in vLLM's EngineCore process and never touches KV itself. For each
-new request it asks the store how many of the request's blocks beyond vLLM's
-own prefix hit are cached (one ``lookup``), and once vLLM has allocated blocks
-it plans the loads; at the end of every ``schedule()`` it plans the saves of
-the blocks that step completes. Both plans travel to the workers as
-``BlockTransfer`` lists in the connector metadata.
+It runs in vLLM's EngineCore process and never touches KV itself. When a
+request arrives it sends a lookup of the request's blocks (``client.vllm.lookups``:
+on a thread of its own, answered within a deadline); when vLLM asks, it answers
+how many blocks beyond vLLM's own prefix hit that lookup found, and once vLLM
+has allocated blocks it plans the loads; at the end of every ``schedule()`` it
+plans the saves of the blocks that step completes. Both plans travel to the
+workers as ``BlockTransfer`` lists in the connector metadata.
 
 Session events (``client.vllm.sessions``) report each request when it is first
 allocated (so with the tokens vLLM and kvstore had cached) and when it finishes.
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client.connect import KVClient
+from kvstore.client.vllm.block_keys import BlockKeys
+from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S, Lookups
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.sessions import SessionEvents
 from kvstore.errors import KVStoreError
@@ -52,6 +55,9 @@ class SchedulerSide:
         pages: PageFormat,
         hash_block_size: int,
         events: SessionEvents | None = None,
+        *,
+        lookup_wait_s: float = WAIT_S,
+        lookup_deadline_s: float = DEADLINE_S,
     ) -> None:
         if hash_block_size <= 0 or pages.block_size % hash_block_size:
             raise KVStoreError(
@@ -61,10 +67,11 @@ class SchedulerSide:
         self._store = store
         self._pages = pages
         self._hashes_per_block = pages.block_size // hash_block_size
+        self._block_keys = BlockKeys(pages)
+        self.lookups = Lookups(self._cached_blocks, lookup_wait_s, lookup_deadline_s)
         self._local: dict[str, int] = {}  # req id -> vLLM's local hit at the last query
         self._loads: dict[str, BlockTransfer] = {}
         self._tracked: dict[str, _Tracked] = {}
-        self._keys: dict[str, list[ChunkKey]] = {}  # req id -> keys of its blocks so far
         self._events = events
 
     def block_hashes(self, request: Any) -> list[bytes]:
@@ -75,46 +82,55 @@ class SchedulerSide:
         to the block's end.
         """
         step = self._hashes_per_block
-        return [bytes(h) for h in request.block_hashes[step - 1 :: step]]
+        hashes: list[bytes] = request.block_hashes[step - 1 :: step]
+        return hashes
 
     def keys(self, request: Any, hashes: Sequence[bytes]) -> list[ChunkKey]:
-        """The keys of ``hashes`` (``block_hashes(request)`` or a head of it).
+        """The keys of ``hashes`` (``block_hashes(request)`` or a head of it)."""
+        return self._block_keys.keys(request.cache_salt, hashes)
 
-        Each block's key is derived once and kept until the request finishes: a key
-        takes a few microseconds, a 119K-token context has 7,438 blocks, and each
-        lookup and session event of the request needs them all again."""
-        known = self._keys.setdefault(request.request_id, [])
-        if len(hashes) > len(known):
-            known.extend(self._pages.keys(request.cache_salt, list(hashes[len(known) :])))
-        return known[: len(hashes)]
+    def _loadable(self, request: Any) -> int:
+        """Blocks of ``request`` that may be loaded: whole, hashed blocks, never the one
+        holding its last token (vLLM must compute at least one token to sample from)."""
+        return min(
+            len(request.block_hashes) // self._hashes_per_block,
+            (request.num_tokens - 1) // self._pages.block_size,
+        )
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that kvstore holds.
+    def arrived(self, request: Any) -> None:
+        """A request was added (``on_new_request``): send its lookup now, so that it is
+        answered, as a rule, before the scheduler asks."""
+        if self._loadable(request) > 0:
+            self.lookups.send(request)
 
-        Only whole blocks count, and never the block holding the request's last
-        token: vLLM must compute at least one token to sample from.
-        """
-        size = self._pages.block_size
-        hashes = self.block_hashes(request)
-        loadable = min(len(hashes), (request.num_tokens - 1) // size)
-        first = num_computed_tokens // size
-        self._local[request.request_id] = num_computed_tokens
-        if loadable <= first:
-            return 0
+    def _cached_blocks(self, request: Any) -> int:
+        """The lookup thread's work: leading blocks of ``request`` cached and worth loading."""
+        hashes = self.block_hashes(request)[: self._loadable(request)]
         try:
             prefix = self._store.lookup(
-                self._pages.namespace(request.cache_salt),
-                self.keys(request, hashes[:loadable]),
+                self._pages.namespace(request.cache_salt), self.keys(request, hashes)
             )
         except KVStoreError as error:
             log.warning("kvstore lookup for request %s failed: %s", request.request_id, error)
             return 0
         cached = prefix.num_chunks if prefix.load_chunks is None else prefix.load_chunks
-        return max(0, min(cached, prefix.num_chunks) - first) * size
+        return min(cached, prefix.num_chunks)
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that kvstore holds;
+        ``None`` while its lookup is on its way (``client.vllm.lookups``)."""
+        size = self._pages.block_size
+        first = num_computed_tokens // size
+        self._local[request.request_id] = num_computed_tokens
+        if self._loadable(request) <= first:
+            return 0
+        cached = self.lookups.answer(request)
+        return None if cached is None else max(0, cached - first) * size
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load."""
         req_id = request.request_id
+        self.lookups.forget(req_id)
         self._tracked[req_id] = _Tracked(request, list(block_ids))
         self._loads.pop(req_id, None)
         local = self._local.get(req_id, 0)
@@ -141,6 +157,7 @@ class SchedulerSide:
 
     def step(self, scheduler_output: Any) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
         """This step's loads and saves (``build_connector_meta``); resets the pending loads."""
+        self.lookups.new_step()
         loads = list(self._loads.values())
         self._loads.clear()
         saves: list[BlockTransfer] = []
@@ -192,7 +209,8 @@ class SchedulerSide:
         tracked.saved = end
 
     def close(self) -> None:
-        """Send the session events still queued (``SessionEvents.close``)."""
+        """Stop the lookups; send the session events still queued (``SessionEvents.close``)."""
+        self.lookups.close()
         if self._events is not None:
             self._events.close()
 
@@ -201,7 +219,7 @@ class SchedulerSide:
         if self._events is not None:
             self._events.finished(request, self.keys(request, self.block_hashes(request)))
         req_id = request.request_id
-        self._keys.pop(req_id, None)
+        self.lookups.forget(req_id)
         self._tracked.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._local.pop(req_id, None)

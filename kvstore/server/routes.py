@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,10 @@ from kvstore.wire.events import parse_event
 from kvstore.wire.frames import Seal
 from kvstore.wire.messages import (
     API_PREFIX,
+    KEYS_CONTENT_TYPE,
     GetTransfer,
     digest_from_hex,
+    keys_from_bytes,
     keys_from_json,
     namespace_from_json,
 )
@@ -74,21 +77,32 @@ async def register_namespace(request: web.Request) -> web.Response:
 
 
 async def lookup(request: web.Request) -> web.Response:
+    """A lookup of JSON keys, or of raw keys (``KEYS_CONTENT_TYPE``, its namespace in
+    the query): what an engine's scheduler sends, on the path of every new request."""
     store = request.app[STORE]
-    body = await read_json(request)
-    namespace, keys = _namespace_and_keys(store, body, store.config.max_lookup_chunks)
+    limit = store.config.max_lookup_chunks
+    raw = request.content_type == KEYS_CONTENT_TYPE
+    if raw:
+        namespace = store.namespace(digest_from_hex(request.query.get("namespace")))
+        keys = keys_from_bytes(await _read_body(request), limit)
+    else:
+        namespace, keys = _namespace_and_keys(store, await read_json(request), limit)
     prefix = store.lookup_nowait(namespace, keys)
     if prefix is None:
         prefix = await asyncio.to_thread(store.lookup, namespace, keys)
-    return web.json_response(
-        {
-            "num_chunks": prefix.num_chunks,
-            "chunk_tokens": prefix.chunk_tokens,
-            "total_chunks": prefix.total_chunks,
-            "tiers": [tier.label for tier in prefix.tiers],
-            "load_chunks": prefix.load_chunks,
-        }
-    )
+    answer: dict[str, Any] = {
+        "num_chunks": prefix.num_chunks,
+        "chunk_tokens": prefix.chunk_tokens,
+        "total_chunks": prefix.total_chunks,
+        "load_chunks": prefix.load_chunks,
+    }
+    if raw:  # as compact as the question: one [label, count] per run of a tier
+        answer["tier_runs"] = [
+            [tier.label, len(list(run))] for tier, run in itertools.groupby(prefix.tiers)
+        ]
+    else:
+        answer["tiers"] = [tier.label for tier in prefix.tiers]
+    return web.json_response(answer)
 
 
 async def delete(request: web.Request) -> web.Response:
@@ -289,22 +303,28 @@ async def shared_memory(request: web.Request) -> web.Response:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object (``kvstore.wire.strict_json``): bounded in size by the
-    app's ``client_max_size``, and in time by ``body_deadline_s`` of its length."""
-    config = request.app[STATE].config
-    deadline_s = config.body_deadline_s(request.content_length or config.max_json_bytes)
+    """The request's JSON object (``kvstore.wire.strict_json``), read as ``_read_body``."""
     try:
-        async with asyncio.timeout(deadline_s):
-            data = await request.json(loads=strict_json.loads)
-    except TimeoutError:
-        raise WireError(
-            ErrorCode.REQUEST_TIMEOUT, f"body not received within {deadline_s:g} s"
-        ) from None
+        data = strict_json.loads(await _read_body(request))
     except ValueError as error:
         raise WireError(ErrorCode.BAD_REQUEST, f"body is not JSON: {error}") from None
     if not isinstance(data, dict):
         raise WireError(ErrorCode.BAD_REQUEST, "body must be a JSON object")
     return data
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The request's body: bounded in size by the app's ``client_max_size``, and in
+    time by ``body_deadline_s`` of its length."""
+    config = request.app[STATE].config
+    deadline_s = config.body_deadline_s(request.content_length or config.max_json_bytes)
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await request.read()
+    except TimeoutError:
+        raise WireError(
+            ErrorCode.REQUEST_TIMEOUT, f"body not received within {deadline_s:g} s"
+        ) from None
 
 
 def _namespace_and_keys(

@@ -114,9 +114,13 @@ class CostModel:
         prefix stays a prefix, so one slow chunk may be worth loading to reach
         fast ones behind it."""
         recompute = self.recompute_seconds(chunk_tokens)
+        gain = {  # per tier, not per chunk: a long context's lookup has thousands
+            kind: recompute - self.load_seconds(kind, chunk_tokens, bytes_per_token)
+            for kind in set(tiers)
+        }
         best, best_cut, saved = 0.0, 0, 0.0
         for i, kind in enumerate(tiers):
-            saved += recompute - self.load_seconds(kind, chunk_tokens, bytes_per_token)
+            saved += gain[kind]
             if saved >= best:
                 best, best_cut = saved, i + 1
         return best_cut

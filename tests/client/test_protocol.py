@@ -111,17 +111,25 @@ def test_lookup_registers_once_then_asks_with_keys() -> None:
     assert call.json["layout"]["chunk_tokens"] == kv.LAYOUT.chunk_tokens
     call = operation.send(ok({"namespace": NS.digest.hex()}))
     assert call == Call(
-        "POST", "/v1/lookup", {"namespace": NS.digest.hex(), "keys": [k.hex() for k in KEYS]}
+        "POST", f"/v1/lookup?namespace={NS.digest.hex()}", content=b"".join(KEYS)
     )
+    assert call.headers == {"Content-Type": "application/octet-stream"}
     with pytest.raises(StopIteration) as done:
         operation.send(
-            ok({"num_chunks": 2, "chunk_tokens": 16, "total_chunks": 3, "tiers": ["dram", "ssd"]})
+            ok(
+                {
+                    "num_chunks": 2,
+                    "chunk_tokens": 16,
+                    "total_chunks": 3,
+                    "tier_runs": [["dram", 1], ["ssd", 1]],
+                }
+            )
         )
     prefix = done.value.value
     assert prefix.keys == tuple(KEYS[:2]) and prefix.tiers == (TierKind.DRAM, TierKind.SSD)
     assert prefix.num_tokens == 2 * kv.LAYOUT.chunk_tokens and prefix.total_chunks == 3
     # Registered now: the next operation asks straight away.
-    assert next(protocol.lookup(NS, TOKENS)).path == "/v1/lookup"
+    assert next(protocol.lookup(NS, TOKENS)).path.startswith("/v1/lookup?")
 
 
 def test_unknown_namespace_registers_again_and_retries_once() -> None:
@@ -221,13 +229,11 @@ class FakeDaemon:
             self.hold()
             self.released.append(route.split("/")[1])
             return httpx.Response(200, json={"released": 1})
+        if route == "lookup":  # raw keys
+            keys = [request.content[i : i + 16].hex() for i in range(0, len(request.content), 16)]
+            run = next((i for i, key in enumerate(keys) if key not in self.blocks), len(keys))
+            return httpx.Response(200, json={"num_chunks": run, "tier_runs": [["dram", run]]})
         body = json.loads(request.content)
-        if route == "lookup":
-            run = next(
-                (i for i, key in enumerate(body["keys"]) if key not in self.blocks),
-                len(body["keys"]),
-            )
-            return httpx.Response(200, json={"num_chunks": run, "tiers": ["dram"] * run})
         if route == "get" and body["transfer"] == "shm":
             entries = [
                 {"key": key, "offset": self.leased[key][0], "length": self.leased[key][1]}

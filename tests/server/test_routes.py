@@ -60,6 +60,46 @@ def test_put_then_bytes_get_round_trips_bit_for_bit(client: httpx.Client, ns: Na
     assert blocks == chain.blocks  # the very bytes the client built, header included
 
 
+def test_a_lookup_of_raw_keys_answers_as_json_does_with_its_tiers_in_runs(
+    client: httpx.Client, ns: Namespace
+) -> None:
+    chain = make_chain(ns, 6, start=500)
+    assert put(client, chain) == 6
+    stranger = make_chain(ns, 2, start=900)  # not cached: the run stops at it
+    keys = [*chain.keys, *stranger.keys]
+
+    def raw(body: bytes, namespace: str = ns.digest.hex()) -> httpx.Response:
+        return client.post(
+            f"/v1/lookup?namespace={namespace}",
+            content=body,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    answer = raw(b"".join(keys)).json()
+    assert answer == {
+        "num_chunks": 6,
+        "chunk_tokens": ns.chunk_tokens,
+        "total_chunks": 8,
+        "tier_runs": [["dram", 6]],
+        "load_chunks": 6,
+    }
+    as_json = lookup(client, ns, keys)
+    assert as_json["tiers"] == ["dram"] * 6
+    assert {k: v for k, v in as_json.items() if k != "tiers"} == {
+        k: v for k, v in answer.items() if k != "tier_runs"
+    }
+    assert raw(b"").json()["num_chunks"] == 0
+    for bad, code in (
+        (raw(b"".join(keys)[:-1]), "bad_request"),  # not a whole number of keys
+        (raw(b"".join(keys), namespace="zz"), "bad_request"),
+        (raw(b"".join(keys), namespace=""), "bad_request"),
+    ):
+        assert bad.status_code == 400 and error_code(bad) == code
+    stranger_ns = http_kv.namespace_for("never-registered-raw")
+    unknown = raw(b"".join(keys), namespace=stranger_ns.digest.hex())
+    assert unknown.status_code == 404 and error_code(unknown) == "unknown_namespace"
+
+
 def test_put_with_skipped_chunks_and_misses(client: httpx.Client, ns: Namespace) -> None:
     chain = make_chain(ns, 5, start=1000)
     # The client knows chunks 0 and 1 are cached elsewhere: null lengths, no bytes.

@@ -241,6 +241,14 @@ def test_oversize_bodies_and_batches_are_413(daemon: Daemon, client: httpx.Clien
             response = client.post(route, json={"namespace": ns.digest.hex(), "keys": keys})
             assert response.status_code == status, (route, count, response.text)
     assert error_code(response) == "request_too_large"
+    for count, status in ((2048, 200), (2049, 413)):  # raw keys: the same limit
+        response = client.post(
+            f"/v1/lookup?namespace={ns.digest.hex()}",
+            content=bytes(16) * count,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert response.status_code == status, (count, response.text)
+    assert error_code(response) == "request_too_large"
     too_many = frames_body(ns, [chain.keys[0]] * 1025, [None] * 1025)
     response = put_raw(client, too_many)
     assert response.status_code == 413 and error_code(response) == "request_too_large"

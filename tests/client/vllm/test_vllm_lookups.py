@@ -1,0 +1,196 @@
+"""The scheduler's lookups (``client.vllm.lookups``, ``client.vllm.block_keys``) without
+vLLM: sent on arrival, awaited at most a step's wait, given up at their deadline; and a
+real daemon stopped with SIGSTOP, which costs the scheduler no more than that."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from support.daemon import Daemon
+
+import kvstore
+from kvstore.client.vllm import block_keys
+from kvstore.client.vllm.block_keys import BlockKeys
+from kvstore.client.vllm.lookups import Lookups
+from kvstore.client.vllm.pages import PageFormat
+from kvstore.client.vllm.scheduler import SchedulerSide
+
+PAGES = PageFormat(
+    model="lookups@main",
+    layer_names=("layers.0.attn",),
+    num_kv_heads=1,
+    head_size=8,
+    dtype="float32",
+    block_size=16,
+)
+WAIT_S = 0.02
+DEADLINE_S = 0.3
+
+
+def request(name: str, blocks: int = 4, salt: str | None = None) -> SimpleNamespace:
+    hashes = [hashlib.sha256(f"{name}/{i}".encode()).digest() for i in range(blocks)]
+    return SimpleNamespace(
+        request_id=name,
+        block_hashes=hashes,
+        num_tokens=blocks * PAGES.block_size + 1,
+        num_prompt_tokens=blocks * PAGES.block_size + 1,
+        cache_salt=salt,
+    )
+
+
+class Gate:
+    """A lookup function that answers only when the test opens the gate."""
+
+    def __init__(self, answer: int = 3) -> None:
+        self.open = threading.Event()
+        self.answer = answer
+        self.asked: list[str] = []
+
+    def __call__(self, request: Any) -> int:
+        self.asked.append(request.request_id)
+        self.open.wait(10.0)
+        return self.answer
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    gate = Gate()
+    yield gate
+    gate.open.set()  # let the lookup thread finish
+
+
+def test_a_lookup_sent_on_arrival_is_answered_without_waiting(gate: Gate) -> None:
+    lookups = Lookups(gate, wait_s=WAIT_S, deadline_s=DEADLINE_S)
+    lookups.send(request("a"))
+    gate.open.set()
+    deadline = time.monotonic() + 5.0
+    while gate.asked != ["a"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.01)
+    assert lookups.answer(request("a")) == 3
+    assert (lookups.counts.sent, lookups.counts.answered, lookups.counts.late) == (1, 1, 0)
+    lookups.close()
+
+
+def test_a_slow_lookup_costs_each_step_its_wait_and_each_request_its_deadline(
+    gate: Gate,
+) -> None:
+    lookups = Lookups(gate, wait_s=WAIT_S, deadline_s=DEADLINE_S)
+    first, second = request("first"), request("second")
+    lookups.send(first)
+    lookups.send(second)
+    steps = []
+    answers: list[tuple[int | None, int | None]] = []
+    started = time.monotonic()
+    while not answers or answers[-1] == (None, None):
+        step = time.monotonic()
+        answers.append((lookups.answer(first), lookups.answer(second)))
+        steps.append(time.monotonic() - step)
+        lookups.new_step()
+        time.sleep(0.01)
+    # Both asks of a step share one wait; no step waited more than it.
+    assert max(steps) < WAIT_S + 0.015
+    assert answers[-1] == (0, 0) and all(answer == (None, None) for answer in answers[:-1])
+    assert DEADLINE_S <= time.monotonic() - started < DEADLINE_S + 0.2
+    assert lookups.counts.late == 2
+    # The late lookup answers after all: a request asked about again takes it.
+    gate.open.set()
+    time.sleep(0.05)
+    assert lookups.answer(first) == 3
+    lookups.close()
+
+
+def test_a_forgotten_request_is_looked_up_again_when_asked_about(gate: Gate) -> None:
+    gate.open.set()
+    lookups = Lookups(gate, wait_s=1.0, deadline_s=DEADLINE_S)
+    lookups.send(request("r"))
+    assert lookups.answer(request("r")) == 3
+    lookups.forget("r")  # scheduled; preempted later and asked about afresh
+    gate.answer = 1
+    assert lookups.answer(request("r")) == 1
+    assert gate.asked == ["r", "r"] and lookups.counts.sent == 2
+    lookups.close()
+
+
+def test_block_keys_are_derived_once_per_salt() -> None:
+    keys = BlockKeys(PAGES)
+    hashes = request("chain", 6).block_hashes
+    assert keys.keys(None, hashes) == PAGES.keys(None, hashes)
+    assert keys.keys("tenant", hashes) == PAGES.keys("tenant", hashes)
+    assert keys.keys(None, hashes)[0] != keys.keys("tenant", hashes)[0]
+    longer = request("chain", 8).block_hashes
+    assert keys.keys(None, longer) == PAGES.keys(None, longer)
+
+
+def test_block_keys_keep_the_newest_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(block_keys, "SALTS_KEPT", 2)
+    keys = BlockKeys(PAGES, keep=8)
+    for name in ("a", "b", "c"):
+        hashes = request(name, 6).block_hashes
+        assert keys.keys(None, hashes) == PAGES.keys(None, hashes)
+    for salt in ("s1", "s2", "s3"):
+        hashes = request("a", 2).block_hashes
+        assert keys.keys(salt, hashes) == PAGES.keys(salt, hashes)
+
+
+STALL_TOML = """\
+data_dir = "{data_dir}"
+
+[tiers.dram]
+capacity = "16MiB"
+"""
+
+
+def test_a_stopped_daemon_costs_the_scheduler_its_wait_per_step(
+    daemon_factory: Any,
+) -> None:
+    daemon: Daemon = daemon_factory(STALL_TOML)
+    with kvstore.connect(daemon.url, timeout_s=2.0) as store:
+        side = SchedulerSide(
+            store, PAGES, PAGES.block_size, lookup_wait_s=WAIT_S, lookup_deadline_s=DEADLINE_S
+        )
+        cached = request("cached", 4)
+        keys = PAGES.keys(None, cached.block_hashes)
+        payload = np.zeros(PAGES.page_bytes, np.uint8)
+        assert store.put(PAGES.namespace(None), keys, [payload] * 4) == 4
+        side.arrived(cached)
+        deadline = time.monotonic() + 10.0
+        while (matched := side.matched_tokens(cached, 0)) is None:
+            assert time.monotonic() < deadline
+            side.step(no_work())
+        assert matched == 4 * PAGES.block_size  # every whole block before the last token
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            stalled = [request(f"stalled-{i}", 4) for i in range(3)]
+            for each in stalled:
+                side.arrived(each)
+            steps: list[float] = []
+            answers: list[list[int | None]] = []
+            while not answers or None in answers[-1]:
+                start = time.monotonic()
+                answers.append([side.matched_tokens(each, 0) for each in stalled])
+                side.step(no_work())
+                steps.append(time.monotonic() - start)
+                time.sleep(0.005)
+            assert max(steps) < WAIT_S + 0.015
+            assert answers[-1] == [0, 0, 0]  # computed, not loaded: nothing wrong
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        side.close()
+
+
+def no_work() -> SimpleNamespace:
+    """A ``SchedulerOutput`` of a step that scheduled nothing."""
+    return SimpleNamespace(
+        num_scheduled_tokens={},
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
+    )
