@@ -4,8 +4,13 @@
 
     connector.py   KVStoreConnector: the class vLLM builds, one per role (needs vLLM)
     scheduler.py   the scheduler side: lookups and load/save plans
+      lookups.py     lookups sent on arrival, on their own thread, within a deadline
+      sessions.py    session events for the daemon's predictor
     worker.py      the worker side: loads before the forward, saves after it
+      saves.py       saves gathered into a bounded pool, put by their own thread
+      cache_pages.py every copy into and out of vLLM's KV cache
     pages.py       the page format both sides assume (no vLLM needed)
+    block_keys.py  vLLM block hashes as kvstore keys, derived once
 
 vLLM imports this package and asks it for ``KVStoreConnector``; the connector
 module, which needs vLLM itself, is imported only then, so ``pages``,

@@ -12,21 +12,28 @@ Process split. vLLM builds one connector per role, in different processes
 that share nothing but the metadata vLLM passes and the kvstore daemon:
 
 * scheduler side (EngineCore process, ``client.vllm.scheduler``):
-  ``get_num_new_matched_tokens`` looks up the request's block hashes beyond
-  vLLM's own prefix hit (one ``lookup`` round trip) and answers how many
-  tokens are loadable, synchronously; ``update_state_after_alloc`` turns the
-  hit into a load plan on the blocks vLLM allocated; ``build_connector_meta``
-  adds the save plan of the blocks each step completes.
+  ``on_new_request`` sends the request's lookup on a thread of its own
+  (``client.vllm.lookups``); ``get_num_new_matched_tokens`` answers from it,
+  waiting at most what is left of the step's ``lookup_wait_ms`` (``None``,
+  "ask again", while it is on its way; 0 once ``lookup_deadline_ms`` passed);
+  ``update_state_after_alloc`` turns the hit into a load plan on the blocks
+  vLLM allocated; ``build_connector_meta`` adds the save plan of the blocks
+  each step completes; ``request_finished`` holds the blocks of a request with
+  saves planned until the workers report them out.
 * worker side (each worker process, ``client.vllm.worker``): ``start_load_kv``
   runs the loads before the forward (vLLM calls it first when a step has
-  synchronous loads), ``wait_for_save`` runs the saves after it;
+  synchronous loads); ``wait_for_save`` gathers the step's saves into a bounded
+  pool and returns, a thread of its own puts them (``client.vllm.saves``);
+  ``get_finished`` names the finished requests whose saves are out;
   ``wait_for_layer_load`` and ``save_kv_layer`` have nothing to do.
 
 What travels in the metadata (``KVStoreConnectorMetadata``): two lists of
-``BlockTransfer`` (request id, ``cache_salt``, vLLM's block hashes from
-block 0, the first moving block and the vLLM block ids it lands in). Workers
-derive keys from the hashes themselves, each in its own tensor-parallel
-namespace. The page format both sides assume is in ``client.vllm.pages``.
+``BlockTransfer`` (request id, ``cache_salt``, the first moving block, vLLM's
+hashes of the moving blocks, the vLLM block ids they are in, and for a save
+the hash of the block before them), and whether a preemption freed blocks.
+Workers derive keys from the hashes themselves, each in its own
+tensor-parallel namespace. The page format both sides assume is in
+``client.vllm.pages``.
 
 Failure handling. A block that misses, fails verification or cannot be
 fetched (daemon down or slow) is never copied into vLLM's cache: its block id
@@ -34,8 +41,9 @@ is reported through ``get_block_ids_with_load_errors``, vLLM rolls the request
 back to that block, discards the step's work for it and recomputes; set
 ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``,
 fails the request instead). A request with a failed load saves nothing in
-that step. A lookup that fails answers zero tokens, a save that fails is
-logged and dropped: the store is a cache, and the engine never stops for it.
+that step. A lookup that fails or is late answers zero tokens; a save that
+fails is logged and dropped, and one the store is too slow to take is dropped
+and counted: the store is a cache, and the engine never stops for it.
 
 Session events. The scheduler side also tells the daemon when each request
 starts and finishes, with its chain, so the daemon's return-time predictor learns
@@ -44,7 +52,9 @@ is inferred, or named in ``kv_transfer_params``).
 
 Extra config keys: ``url`` (default ``$KVSTORE_URL``, else the daemon's
 default socket), ``timeout_s`` (per I/O phase, default 2), ``batch_blocks``
-(blocks per get/put, default 32), ``session_events`` (default true),
+(blocks per get/put, default 32), ``lookup_wait_ms`` (default 2),
+``lookup_deadline_ms`` (default 100), ``save_pool_mib`` (host memory for saves
+on their way, default 256), ``session_events`` (default true),
 ``tool_call_end_token_ids`` (default none: no request reports a running tool).
 
 Limits: one KV cache group of plain attention (no hybrid, no MLA); with
@@ -75,6 +85,7 @@ from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
+from kvstore.client.vllm.saves import POOL_BYTES
 from kvstore.client.vllm.scheduler import SchedulerSide
 from kvstore.client.vllm.sessions import SessionEvents
 from kvstore.client.vllm.worker import WorkerSide
@@ -121,6 +132,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    preempted: bool = False  # the scheduler freed a preempted request's blocks
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -159,7 +171,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             pages = PageFormat.from_vllm(
                 vllm_config, kv_cache_config, tp_rank=get_tensor_model_parallel_rank()
             )
-            self._worker = WorkerSide(self._store, pages, batch_blocks)
+            pool_mib = transfer_config.get_from_extra_config("save_pool_mib", POOL_BYTES >> 20)
+            if isinstance(pool_mib, bool) or not isinstance(pool_mib, int) or pool_mib <= 0:
+                raise ConfigError(f"save_pool_mib must be a positive integer, not {pool_mib!r}")
+            self._worker = WorkerSide(self._store, pages, batch_blocks, pool_mib << 20)
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -195,10 +210,20 @@ class KVStoreConnector(KVConnectorBase_V1):
     ) -> None:
         """Nothing per layer: ``wait_for_save`` copies all layers' pages of a block at once."""
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Freed blocks may be reused by this step: gathers still reading them finish first."""
+        assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+        if kv_connector_metadata.preempted:
+            self.worker_side.saves.settle()
+
     def wait_for_save(self) -> None:
+        """Queue this step's saves (``client.vllm.saves``); the store is not waited for."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVStoreConnectorMetadata)
         self.worker_side.save(metadata.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks()
@@ -206,6 +231,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
         self._store.close()
 
     # -- scheduler side ----------------------------------------------------------------
@@ -226,10 +253,16 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         loads, saves = self.scheduler_side.step(scheduler_output)
-        return KVStoreConnectorMetadata(loads=loads, saves=saves)
+        preempted = bool(scheduler_output.preempted_req_ids)
+        return KVStoreConnectorMetadata(loads=loads, saves=saves, preempted=preempted)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.finished(request)
-        return False, None
+        """Hold the blocks of a request with saves planned until the workers put them."""
+        return self.scheduler_side.finished(request), None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a save a preemption cut short is a later miss."""
+        return False

@@ -36,25 +36,28 @@ PAGE_LAYOUT = "vllm-page"
 
 @dataclass(frozen=True, slots=True)
 class BlockTransfer:
-    """Blocks ``first .. len(hashes) - 1`` of one request, to load or to save this step.
+    """Blocks ``first .. first + len(hashes) - 1`` of one request, to load or to save this step.
 
-    ``hashes`` are vLLM's hashes of the request's blocks from block 0 on (a put
-    names the moving ones and the parent of the first, so the store keeps parent
-    links; a load uses only the moving ones). ``block_ids[i]`` is the vLLM block that holds block
-    ``first + i``.
+    ``hashes[i]`` is vLLM's hash of block ``first + i``, ``block_ids[i]`` the vLLM
+    block that holds it. ``parent`` is the hash of block ``first - 1`` (``None``
+    for block 0 and for loads): a put names it ahead of its batch, so the store
+    links the batch to the prefix it extends. Only the moving blocks' hashes
+    travel: a request deep in a long context saves a block every few steps, and
+    its whole chain would be thousands of hashes in every step's metadata.
     """
 
     req_id: str
     salt: str | None
-    hashes: tuple[bytes, ...]
     first: int
+    hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    parent: bytes | None = None
 
     def __post_init__(self) -> None:
-        if len(self.block_ids) != len(self.hashes) - self.first or self.first < 0:
+        if len(self.block_ids) != len(self.hashes) or self.first < 0:
             raise ConfigError(
                 f"transfer of request {self.req_id!r} names {len(self.block_ids)} block ids "
-                f"for blocks {self.first}..{len(self.hashes) - 1}"
+                f"for {len(self.hashes)} blocks from block {self.first}"
             )
 
 

@@ -44,6 +44,7 @@ class _Tracked:
     request: Any  # vllm.v1.request.Request (this process's own object)
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # watermark: blocks below it need no save
+    saving: bool = False  # a save was planned: vLLM holds its blocks until the worker is done
 
 
 class SchedulerSide:
@@ -74,16 +75,22 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._events = events
 
-    def block_hashes(self, request: Any) -> list[bytes]:
-        """vLLM's hash of each full KV block of ``request``.
+    def block_hashes(self, request: Any, start: int = 0, stop: int | None = None) -> list[bytes]:
+        """vLLM's hash of each full KV block ``start .. stop - 1`` of ``request`` (all of
+        them by default).
 
         vLLM may hash finer than it allocates (``hash_block_size``); the hashes
         are chained, so the last hash inside a block names the whole prefix up
         to the block's end.
         """
         step = self._hashes_per_block
-        hashes: list[bytes] = request.block_hashes[step - 1 :: step]
+        end = None if stop is None else stop * step
+        hashes: list[bytes] = request.block_hashes[(start + 1) * step - 1 : end : step]
         return hashes
+
+    def _hashed(self, request: Any) -> int:
+        """How many of ``request``'s blocks vLLM has hashed (its full blocks)."""
+        return len(request.block_hashes) // self._hashes_per_block
 
     def keys(self, request: Any, hashes: Sequence[bytes]) -> list[ChunkKey]:
         """The keys of ``hashes`` (``block_hashes(request)`` or a head of it)."""
@@ -92,10 +99,7 @@ class SchedulerSide:
     def _loadable(self, request: Any) -> int:
         """Blocks of ``request`` that may be loaded: whole, hashed blocks, never the one
         holding its last token (vLLM must compute at least one token to sample from)."""
-        return min(
-            len(request.block_hashes) // self._hashes_per_block,
-            (request.num_tokens - 1) // self._pages.block_size,
-        )
+        return min(self._hashed(request), (request.num_tokens - 1) // self._pages.block_size)
 
     def arrived(self, request: Any) -> None:
         """A request was added (``on_new_request``): send its lookup now, so that it is
@@ -105,7 +109,7 @@ class SchedulerSide:
 
     def _cached_blocks(self, request: Any) -> int:
         """The lookup thread's work: leading blocks of ``request`` cached and worth loading."""
-        hashes = self.block_hashes(request)[: self._loadable(request)]
+        hashes = self.block_hashes(request, stop=self._loadable(request))
         try:
             prefix = self._store.lookup(
                 self._pages.namespace(request.cache_salt), self.keys(request, hashes)
@@ -135,24 +139,25 @@ class SchedulerSide:
         self._loads.pop(req_id, None)
         local = self._local.get(req_id, 0)
         size = self._pages.block_size
-        if self._events is None and num_external_tokens <= 0:
+        num_external_tokens = max(0, num_external_tokens)
+        if self._events is None and not num_external_tokens:
             return
-        hashes = self.block_hashes(request)
         if self._events is not None:
-            prompt = self.keys(request, hashes[: request.num_prompt_tokens // size])
-            self._events.started(request, prompt, local, max(0, num_external_tokens))
+            prompt = self.block_hashes(request, stop=request.num_prompt_tokens // size)
+            self._events.started(request, self.keys(request, prompt), local, num_external_tokens)
         if num_external_tokens <= 0:
             return
         first = local // size
         end = first + num_external_tokens // size
-        if end > len(hashes) or end > len(block_ids) or num_external_tokens % size:
+        hashed = self._hashed(request)
+        if end > hashed or end > len(block_ids) or num_external_tokens % size:
             raise KVStoreError(
                 f"vLLM asked to load {num_external_tokens} tokens of request {req_id} from "
-                f"block {first}, past its {len(hashes)} hashed and {len(block_ids)} allocated "
-                f"blocks"
+                f"block {first}, past its {hashed} hashed and {len(block_ids)} allocated blocks"
             )
+        hashes = self.block_hashes(request, first, end)
         self._loads[req_id] = BlockTransfer(
-            req_id, request.cache_salt, tuple(hashes[:end]), first, tuple(block_ids[first:end])
+            req_id, request.cache_salt, first, tuple(hashes), tuple(block_ids[first:end])
         )
 
     def step(self, scheduler_output: Any) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
@@ -190,23 +195,29 @@ class SchedulerSide:
     def _plan_save(
         self, tracked: _Tracked, computed: int, scheduled: int, saves: list[BlockTransfer]
     ) -> None:
-        hashes = self.block_hashes(tracked.request)
-        end = min(
-            len(hashes), len(tracked.block_ids), (computed + scheduled) // self._pages.block_size
-        )
-        if end <= tracked.saved:
-            return
         request = tracked.request
+        end = min(
+            self._hashed(request),
+            len(tracked.block_ids),
+            (computed + scheduled) // self._pages.block_size,
+        )
+        first = tracked.saved
+        if end <= first:
+            return
+        hashes = self.block_hashes(request, max(0, first - 1), end)  # the parent's too
+        parent = hashes.pop(0) if first else None
         saves.append(
             BlockTransfer(
                 request.request_id,
                 request.cache_salt,
-                tuple(hashes[:end]),
-                tracked.saved,
-                tuple(tracked.block_ids[tracked.saved : end]),
+                first,
+                tuple(hashes),
+                tuple(tracked.block_ids[first:end]),
+                parent,
             )
         )
         tracked.saved = end
+        tracked.saving = True
 
     def close(self) -> None:
         """Stop the lookups; send the session events still queued (``SessionEvents.close``)."""
@@ -214,12 +225,15 @@ class SchedulerSide:
         if self._events is not None:
             self._events.close()
 
-    def finished(self, request: Any) -> None:
-        """Forget ``request`` (``request_finished``): its blocks are about to be freed."""
+    def finished(self, request: Any) -> bool:
+        """Forget ``request`` (``request_finished``); whether vLLM must hold its blocks
+        until the workers report its saves done (``get_finished``): it had a save
+        planned, which a worker may still be putting."""
         if self._events is not None:
             self._events.finished(request, self.keys(request, self.block_hashes(request)))
         req_id = request.request_id
         self.lookups.forget(req_id)
-        self._tracked.pop(req_id, None)
+        tracked = self._tracked.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._local.pop(req_id, None)
+        return tracked is not None and tracked.saving

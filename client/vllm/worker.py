@@ -1,35 +1,34 @@
-"""The worker side of the vLLM connector: copy block pages between vLLM's KV cache and the store.
+"""The worker side of the vLLM connector: load blocks into vLLM's KV cache, save blocks out of it.
 
-It runs in each vLLM worker process. Loads run before the forward that needs
-them (vLLM schedules them as synchronous loads); saves run after the forward,
-in ``wait_for_save``. Each direction goes in batches through one host staging
-buffer laid out ``(blocks, layers, page)``, one chunk per block:
+It runs in each vLLM worker process; every copy into or out of vLLM's KV
+memory is ``client.vllm.cache_pages``'s.
 
-* load: ``get(..., out=staging)`` verifies every block into the staging buffer,
-  then each layer's pages are scattered into the KV cache with one indexed
-  copy. A block that misses, fails its checksum or cannot be fetched is never
-  copied: its vLLM block id is reported as a load error, and vLLM recomputes
-  from it (``kv_load_failure_policy: "recompute"``).
-* save: each layer's pages are gathered with one indexed copy into the staging
-  buffer and put as opaque bytes. A request whose load failed in this step
-  saves nothing in it: its forward ran on a block that was not loaded and vLLM
-  discards that step's work for it.
-
-The save is synchronous: when ``wait_for_save`` returns the blocks are in the
-store (or dropped and counted by the client if the daemon is down), so vLLM
-may reuse the pages at once and the next request finds them.
+* Loads run before the forward that needs them (vLLM schedules them as
+  synchronous loads), in batches through one host staging buffer:
+  ``get(..., out=staging)`` verifies every block into it, then the good rows
+  are scattered into the cache. A block that misses, fails its checksum or
+  cannot be fetched is never copied: its vLLM block id is reported as a load
+  error, and vLLM recomputes from it (``kv_load_failure_policy: "recompute"``).
+* Saves are ``client.vllm.saves``': gathered into a bounded pool and put by a
+  thread of their own, so ``wait_for_save`` never waits for the store. A
+  request whose load failed in this step saves nothing in it: its forward ran
+  on a block that was not loaded and vLLM discards that step's work for it.
+* ``finished`` names the finished requests whose saves are out, so vLLM may
+  free their blocks (``get_finished``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from kvstore.client.connect import KVClient
+from kvstore.client.vllm.block_keys import BlockKeys
+from kvstore.client.vllm.cache_pages import CachePages
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
+from kvstore.client.vllm.saves import POOL_BYTES, Saves
 from kvstore.errors import ConfigError, KVStoreError
 
 log = logging.getLogger("kvstore.client.vllm")
@@ -38,62 +37,63 @@ log = logging.getLogger("kvstore.client.vllm")
 class WorkerSide:
     """Loads and saves of block pages; see the module docstring."""
 
-    def __init__(self, store: KVClient, pages: PageFormat, batch_blocks: int = 32) -> None:
+    def __init__(
+        self,
+        store: KVClient,
+        pages: PageFormat,
+        batch_blocks: int = 32,
+        save_pool_bytes: int = POOL_BYTES,
+    ) -> None:
         if batch_blocks <= 0:
             raise ConfigError("batch_blocks must be positive")
         self._store = store
         self._pages = pages
+        self._keys = BlockKeys(pages)
         self._batch_blocks = batch_blocks
-        self._caches: list[torch.Tensor] = []
+        self._save_pool_bytes = save_pool_bytes
+        self._cache: CachePages | None = None
+        self._saves: Saves | None = None
         self._staging: torch.Tensor | None = None
         self.failed_blocks: set[int] = set()
         self.failed_requests: set[str] = set()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Keep each layer's ``[B, H, N, C]`` view, in the KV cache group's layer order."""
-        pages = self._pages
-        missing = [name for name in pages.layer_names if name not in kv_caches]
-        if missing:
-            raise ConfigError(f"vLLM registered no KV cache for layers {missing}")
-        caches = [kv_caches[name] for name in pages.layer_names]
-        for name, cache in zip(pages.layer_names, caches, strict=True):
-            if cache.dtype != pages.torch_dtype or cache[0].numel() != pages.page_elements:
-                raise ConfigError(
-                    f"layer {name}: KV cache of {cache.dtype} with pages of shape "
-                    f"{tuple(cache.shape[1:])}, expected {pages.dtype} pages of "
-                    f"{pages.page_elements} elements"
-                )
-        self._caches = caches
+        """Take vLLM's KV caches (``register_kv_caches``); loads and saves start here."""
+        self._cache = CachePages(self._pages, kv_caches)
+        self._staging = self._cache.staging(self._batch_blocks)
+        self._saves = Saves(
+            self._store, self._cache, self._keys, self._batch_blocks, self._save_pool_bytes
+        )
 
-    def _staging_for(self, blocks: int) -> torch.Tensor:
-        """The host staging buffer ``(blocks, layers, page)``, grown on demand and reused."""
-        staging = self._staging
-        if staging is None or staging.shape[0] < blocks:
-            pin = torch.cuda.is_available() and self._caches[0].is_cuda
-            staging = torch.empty(
-                (
-                    max(blocks, self._batch_blocks),
-                    self._pages.num_layers,
-                    self._pages.page_elements,
-                ),
-                dtype=self._pages.torch_dtype,
-                pin_memory=pin,
-            )
-            self._staging = staging
-        return staging[:blocks]
+    @property
+    def cache(self) -> CachePages:
+        if self._cache is None:
+            raise ConfigError("vLLM has not registered its KV caches with the connector")
+        return self._cache
+
+    @property
+    def saves(self) -> Saves:
+        if self._saves is None:
+            raise ConfigError("vLLM has not registered its KV caches with the connector")
+        return self._saves
 
     # -- load --------------------------------------------------------------------
 
     def load(self, transfers: Sequence[BlockTransfer]) -> None:
         """Load every transfer's blocks; failures land in ``failed_blocks``/``failed_requests``."""
+        cache = self.cache
+        assert self._staging is not None, "set with the cache"
+        staging = self._staging
         for transfer in transfers:
-            keys = self._pages.keys(transfer.salt, transfer.hashes[transfer.first :])
+            keys = self._keys.keys(transfer.salt, transfer.hashes)
             namespace = self._pages.namespace(transfer.salt)
-            for start, stop in self._batches(len(keys)):
-                staging = self._staging_for(stop - start)
+            for start in range(0, len(keys), self._batch_blocks):
+                stop = min(len(keys), start + self._batch_blocks)
                 block_ids = transfer.block_ids[start:stop]
                 try:
-                    chunks = self._store.get(namespace, keys[start:stop], out=list(staging))
+                    chunks = self._store.get(
+                        namespace, keys[start:stop], out=list(staging[: stop - start])
+                    )
                 except KVStoreError as error:
                     log.warning("kvstore load of request %s failed: %s", transfer.req_id, error)
                     chunks = [None] * (stop - start)
@@ -103,51 +103,7 @@ class WorkerSide:
                     self.failed_blocks.update(failed)
                     self.failed_requests.add(transfer.req_id)
                 if loaded:
-                    self._scatter(staging, loaded, [block_ids[i] for i in loaded])
-
-    def _scatter(self, staging: torch.Tensor, rows: list[int], block_ids: list[int]) -> None:
-        device = self._caches[0].device
-        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        source = staging[torch.tensor(rows, dtype=torch.long)]
-        for layer, cache in enumerate(self._caches):
-            pages = source[:, layer].reshape((len(rows), *cache.shape[1:]))
-            cache.index_copy_(0, ids, pages.to(device, non_blocking=True))
-
-    # -- save --------------------------------------------------------------------
-
-    def save(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Save every transfer's blocks, except those of requests whose load failed."""
-        for transfer in transfers:
-            if transfer.req_id in self.failed_requests:
-                continue
-            namespace = self._pages.namespace(transfer.salt)
-            # Each put names its batch from the parent of its first block on: the parent
-            # link is all the store needs of the prefix, so a put stays one batch long
-            # (and only these keys are derived) however deep in a long context it lands.
-            base = max(0, transfer.first - 1)
-            keys = self._pages.keys(transfer.salt, transfer.hashes[base:])  # block base + i
-            for start, stop in self._batches(len(transfer.block_ids)):
-                staging = self._gather(transfer.block_ids[start:stop])
-                first = transfer.first + start - base  # the batch's first block, in keys
-                parent = max(0, first - 1)
-                chunks: list[np.ndarray | None] = [None] * (first - parent)
-                chunks += [row.view(torch.uint8).reshape(-1).numpy() for row in staging]
-                try:
-                    self._store.put(namespace, keys[parent : first + stop - start], chunks)
-                except KVStoreError as error:
-                    log.warning("kvstore save of request %s failed: %s", transfer.req_id, error)
-
-    def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        staging = self._staging_for(len(block_ids))
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self._caches[0].device)
-        for layer, cache in enumerate(self._caches):
-            pages = cache.index_select(0, ids).reshape(len(block_ids), -1)
-            staging[:, layer].copy_(pages)
-        return staging
-
-    def _batches(self, count: int) -> Iterator[tuple[int, int]]:
-        for start in range(0, count, self._batch_blocks):
-            yield start, min(count, start + self._batch_blocks)
+                    cache.scatter(staging, loaded, [block_ids[i] for i in loaded])
 
     def take_failed_blocks(self) -> set[int]:
         """The block ids that failed to load this step; clears the step's failures."""
@@ -155,3 +111,22 @@ class WorkerSide:
         self.failed_blocks = set()
         self.failed_requests = set()
         return failed
+
+    # -- save --------------------------------------------------------------------
+
+    def save(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Queue every transfer's blocks, except those of requests whose load failed."""
+        saves = self.saves
+        for transfer in transfers:
+            if transfer.req_id in self.failed_requests:
+                saves.hold(transfer.req_id)
+            else:
+                saves.submit(transfer)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """The finished requests whose saves are out (``get_finished``'s sending ids)."""
+        return self.saves.finished(finished_req_ids) if self._saves is not None else set()
+
+    def close(self) -> None:
+        if self._saves is not None:
+            self._saves.close()

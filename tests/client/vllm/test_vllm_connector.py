@@ -145,13 +145,23 @@ def stats(daemon: Daemon) -> StoreStats:
         return client.stats()
 
 
+def stats_once_stored(daemon: Daemon, chunks_stored: int) -> StoreStats:
+    """The daemon's stats once it has stored ``chunks_stored`` chunks in all: saves are
+    put by the worker's own thread, after the request that made them has returned."""
+    deadline = time.monotonic() + 20.0
+    while (now := stats(daemon)).chunks_stored < chunks_stored:
+        assert time.monotonic() < deadline, (now.chunks_stored, chunks_stored)
+        time.sleep(0.02)
+    return now
+
+
 def test_a_reset_prefix_is_loaded_from_kvstore_not_recomputed(
     llm: Any, store_daemon: Daemon
 ) -> None:
     tokens = prompt(1)
     before = stats(store_daemon)
     first, cached_first = generate(llm, tokens)
-    stored = stats(store_daemon)
+    stored = stats_once_stored(store_daemon, before.chunks_stored + FULL_BLOCKS)
     assert cached_first == 0
     assert stored.chunks_stored - before.chunks_stored == FULL_BLOCKS
 
@@ -172,7 +182,9 @@ def test_a_corrupt_block_is_recomputed_never_used(
     llm: Any, store_daemon: Daemon, model_dir: Path
 ) -> None:
     tokens = prompt(2)
+    start = stats(store_daemon)
     expected, _ = generate(llm, tokens)
+    stats_once_stored(store_daemon, start.chunks_stored + FULL_BLOCKS)
     namespace, keys = vllm_keys(model_dir, tokens)
     with kvstore.connect(store_daemon.url) as client:
         assert client.lookup(namespace, keys).num_chunks == FULL_BLOCKS  # keyed as vLLM hashes
@@ -181,7 +193,7 @@ def test_a_corrupt_block_is_recomputed_never_used(
 
     assert llm.reset_prefix_cache()
     got, _ = generate(llm, tokens)
-    after = stats(store_daemon)
+    after = stats_once_stored(store_daemon, before.chunks_stored + 1)
 
     assert got == expected
     assert after.tiers[TierKind.SSD].corrupt_blocks - before.tiers[TierKind.SSD].corrupt_blocks == 1

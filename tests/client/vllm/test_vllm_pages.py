@@ -50,5 +50,7 @@ def test_bad_formats_and_plans_are_refused() -> None:
     with pytest.raises(ConfigError, match="dtype"):
         pages(dtype="int4")
     with pytest.raises(ConfigError, match="block ids"):
-        BlockTransfer("req", None, (b"a", b"b", b"c"), first=1, block_ids=(7,))
-    assert BlockTransfer("req", None, (b"a", b"b"), first=1, block_ids=(7,)).first == 1
+        BlockTransfer("req", None, 1, (b"b", b"c"), block_ids=(7,))
+    with pytest.raises(ConfigError, match="block ids"):
+        BlockTransfer("req", None, -1, (b"b",), block_ids=(7,))
+    assert BlockTransfer("req", None, 1, (b"b",), block_ids=(7,), parent=b"a").first == 1
