@@ -83,6 +83,7 @@ import torch
 
 from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
+from kvstore.client.vllm.loads import TOKENS as ASYNC_LOAD_TOKENS
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.saves import POOL_BYTES
@@ -98,6 +99,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
@@ -124,6 +126,14 @@ def _milliseconds(config: Any, name: str, default_s: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e7:
         raise ConfigError(f"{name} must be a number of milliseconds, not {value!r}")
     return float(value) / 1e3
+
+
+def _count(config: Any, name: str, default: int) -> int:
+    """Extra config ``name``, a positive integer (``default`` when absent)."""
+    value = config.get_from_extra_config(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+    return value
 
 
 @dataclass
@@ -164,6 +174,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 events,
                 lookup_wait_s=_milliseconds(transfer_config, "lookup_wait_ms", WAIT_S),
                 lookup_deadline_s=_milliseconds(transfer_config, "lookup_deadline_ms", DEADLINE_S),
+                async_load_tokens=_count(transfer_config, "async_load_tokens", ASYNC_LOAD_TOKENS),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -171,9 +182,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             pages = PageFormat.from_vllm(
                 vllm_config, kv_cache_config, tp_rank=get_tensor_model_parallel_rank()
             )
-            pool_mib = transfer_config.get_from_extra_config("save_pool_mib", POOL_BYTES >> 20)
-            if isinstance(pool_mib, bool) or not isinstance(pool_mib, int) or pool_mib <= 0:
-                raise ConfigError(f"save_pool_mib must be a positive integer, not {pool_mib!r}")
+            pool_mib = _count(transfer_config, "save_pool_mib", POOL_BYTES >> 20)
             self._worker = WorkerSide(self._store, pages, batch_blocks, pool_mib << 20)
 
     @property
@@ -194,9 +203,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker_side.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Run the synchronous loads (before the forward, when the step has any); hand
+        the asynchronous ones to the load thread."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVStoreConnectorMetadata)
-        self.worker_side.load(metadata.loads)
+        self.worker_side.load([load for load in metadata.loads if not load.asynchronous])
+        self.worker_side.load_async([load for load in metadata.loads if load.asynchronous])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: ``start_load_kv`` loaded every layer before the forward."""
@@ -223,7 +235,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker_side.save(metadata.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.finished(finished_req_ids) or None, None
+        saved, loaded = self.worker_side.finished(finished_req_ids)
+        return saved or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks()
@@ -243,7 +256,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler_side.matched_tokens(request, num_computed_tokens), False
+        return self.scheduler_side.matched_tokens(request, num_computed_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.loaded(set(connector_output.finished_recving or ()))
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -44,6 +44,7 @@ class BlockTransfer:
     links the batch to the prefix it extends. Only the moving blocks' hashes
     travel: a request deep in a long context saves a block every few steps, and
     its whole chain would be thousands of hashes in every step's metadata.
+    ``asynchronous``: a load made off the step (``client.vllm.loads``).
     """
 
     req_id: str
@@ -52,6 +53,7 @@ class BlockTransfer:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent: bytes | None = None
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.hashes) or self.first < 0:

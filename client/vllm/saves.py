@@ -204,6 +204,8 @@ class Saves:
                 saved = True
             except KVStoreError as error:
                 log.warning("kvstore save of request %s failed: %s", batch.req_id, error)
+            except Exception:  # the put thread must count every batch down, whatever happened
+                log.exception("kvstore save of request %s failed", batch.req_id)
             finally:
                 self._free.put(batch.staging)
                 with self._lock:

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvstore.client.connect import KVClient
 from kvstore.client.vllm.block_keys import BlockKeys
+from kvstore.client.vllm.loads import TOKENS as ASYNC_LOAD_TOKENS
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S, Lookups
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.sessions import SessionEvents
@@ -47,6 +48,14 @@ class _Tracked:
     saving: bool = False  # a save was planned: vLLM holds its blocks until the worker is done
 
 
+@dataclass(slots=True)
+class _Answer:
+    """What ``get_num_new_matched_tokens`` last answered for a request, for its allocation."""
+
+    local_tokens: int  # vLLM's own hit, as it asked
+    asynchronous: bool = False  # its load goes off the step
+
+
 class SchedulerSide:
     """Lookups, load plans and save plans; see the module docstring."""
 
@@ -59,6 +68,7 @@ class SchedulerSide:
         *,
         lookup_wait_s: float = WAIT_S,
         lookup_deadline_s: float = DEADLINE_S,
+        async_load_tokens: int = ASYNC_LOAD_TOKENS,
     ) -> None:
         if hash_block_size <= 0 or pages.block_size % hash_block_size:
             raise KVStoreError(
@@ -70,8 +80,10 @@ class SchedulerSide:
         self._hashes_per_block = pages.block_size // hash_block_size
         self._block_keys = BlockKeys(pages)
         self.lookups = Lookups(self._cached_blocks, lookup_wait_s, lookup_deadline_s)
-        self._local: dict[str, int] = {}  # req id -> vLLM's local hit at the last query
-        self._loads: dict[str, BlockTransfer] = {}
+        self._answers: dict[str, _Answer] = {}  # req id -> what the last ask answered
+        self._async_load_tokens = async_load_tokens
+        self._loads: dict[str, BlockTransfer] = {}  # planned, not yet in a step's metadata
+        self._loading: set[str] = set()  # asynchronous loads on their way
         self._tracked: dict[str, _Tracked] = {}
         self._events = events
 
@@ -120,16 +132,21 @@ class SchedulerSide:
         cached = prefix.num_chunks if prefix.load_chunks is None else prefix.load_chunks
         return min(cached, prefix.num_chunks)
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
-        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that kvstore holds;
-        ``None`` while its lookup is on its way (``client.vllm.lookups``)."""
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that kvstore holds, and
+        whether to load them asynchronously (``client.vllm.loads``); ``None`` while the
+        request's lookup is on its way (``client.vllm.lookups``)."""
         size = self._pages.block_size
         first = num_computed_tokens // size
-        self._local[request.request_id] = num_computed_tokens
+        answer = self._answers[request.request_id] = _Answer(num_computed_tokens)
         if self._loadable(request) <= first:
-            return 0
+            return 0, False
         cached = self.lookups.answer(request)
-        return None if cached is None else max(0, cached - first) * size
+        if cached is None:
+            return None, False
+        tokens = max(0, cached - first) * size
+        answer.asynchronous = tokens >= self._async_load_tokens
+        return tokens, answer.asynchronous
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load."""
@@ -137,7 +154,8 @@ class SchedulerSide:
         self.lookups.forget(req_id)
         self._tracked[req_id] = _Tracked(request, list(block_ids))
         self._loads.pop(req_id, None)
-        local = self._local.get(req_id, 0)
+        answer = self._answers.get(req_id, _Answer(0))
+        local = answer.local_tokens
         size = self._pages.block_size
         num_external_tokens = max(0, num_external_tokens)
         if self._events is None and not num_external_tokens:
@@ -157,7 +175,12 @@ class SchedulerSide:
             )
         hashes = self.block_hashes(request, first, end)
         self._loads[req_id] = BlockTransfer(
-            req_id, request.cache_salt, first, tuple(hashes), tuple(block_ids[first:end])
+            req_id,
+            request.cache_salt,
+            first,
+            tuple(hashes),
+            tuple(block_ids[first:end]),
+            asynchronous=answer.asynchronous,
         )
 
     def step(self, scheduler_output: Any) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
@@ -165,6 +188,7 @@ class SchedulerSide:
         self.lookups.new_step()
         loads = list(self._loads.values())
         self._loads.clear()
+        self._loading.update(load.req_id for load in loads if load.asynchronous)
         saves: list[BlockTransfer] = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -225,15 +249,22 @@ class SchedulerSide:
         if self._events is not None:
             self._events.close()
 
+    def loaded(self, req_ids: set[str]) -> None:
+        """The workers named these requests' asynchronous loads done (``get_finished``)."""
+        self._loading -= req_ids
+
     def finished(self, request: Any) -> bool:
         """Forget ``request`` (``request_finished``); whether vLLM must hold its blocks
-        until the workers report its saves done (``get_finished``): it had a save
-        planned, which a worker may still be putting."""
+        until the workers name it in ``get_finished``: it had a save planned, which a
+        worker may still be putting, or its asynchronous load is on its way."""
         if self._events is not None:
             self._events.finished(request, self.keys(request, self.block_hashes(request)))
         req_id = request.request_id
         self.lookups.forget(req_id)
         tracked = self._tracked.pop(req_id, None)
         self._loads.pop(req_id, None)
-        self._local.pop(req_id, None)
+        self._answers.pop(req_id, None)
+        if req_id in self._loading:
+            self._loading.discard(req_id)
+            return True  # named when its load is done, as finished receiving
         return tracked is not None and tracked.saving

@@ -3,18 +3,20 @@
 It runs in each vLLM worker process; every copy into or out of vLLM's KV
 memory is ``client.vllm.cache_pages``'s.
 
-* Loads run before the forward that needs them (vLLM schedules them as
-  synchronous loads), in batches through one host staging buffer:
-  ``get(..., out=staging)`` verifies every block into it, then the good rows
-  are scattered into the cache. A block that misses, fails its checksum or
-  cannot be fetched is never copied: its vLLM block id is reported as a load
-  error, and vLLM recomputes from it (``kv_load_failure_policy: "recompute"``).
+* Loads go in batches through a host staging buffer: ``get(..., out=staging)``
+  verifies every block into it, then the good rows are scattered into the
+  cache. A block that misses, fails its checksum or cannot be fetched is never
+  copied: its vLLM block id is reported as a load error, and vLLM recomputes
+  from it (``kv_load_failure_policy: "recompute"``). A synchronous load runs
+  before the forward that needs it; a large one runs on a thread of its own
+  while vLLM runs other requests (``client.vllm.loads``).
 * Saves are ``client.vllm.saves``': gathered into a bounded pool and put by a
   thread of their own, so ``wait_for_save`` never waits for the store. A
   request whose load failed in this step saves nothing in it: its forward ran
   on a block that was not loaded and vLLM discards that step's work for it.
 * ``finished`` names the finished requests whose saves are out, so vLLM may
-  free their blocks (``get_finished``).
+  free their blocks, and the requests whose asynchronous loads are done
+  (``get_finished``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from kvstore.client.connect import KVClient
 from kvstore.client.vllm.block_keys import BlockKeys
 from kvstore.client.vllm.cache_pages import CachePages
+from kvstore.client.vllm.loads import AsyncLoads
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.saves import POOL_BYTES, Saves
 from kvstore.errors import ConfigError, KVStoreError
@@ -53,6 +56,7 @@ class WorkerSide:
         self._save_pool_bytes = save_pool_bytes
         self._cache: CachePages | None = None
         self._saves: Saves | None = None
+        self._loads: AsyncLoads | None = None
         self._staging: torch.Tensor | None = None
         self.failed_blocks: set[int] = set()
         self.failed_requests: set[str] = set()
@@ -63,6 +67,9 @@ class WorkerSide:
         self._staging = self._cache.staging(self._batch_blocks)
         self._saves = Saves(
             self._store, self._cache, self._keys, self._batch_blocks, self._save_pool_bytes
+        )
+        self._loads = AsyncLoads(
+            self._load, self._cache.staging(self._batch_blocks), self._cache.device
         )
 
     @property
@@ -80,30 +87,43 @@ class WorkerSide:
     # -- load --------------------------------------------------------------------
 
     def load(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Load every transfer's blocks; failures land in ``failed_blocks``/``failed_requests``."""
-        cache = self.cache
+        """Load every transfer's blocks before the forward; failures land in
+        ``failed_blocks`` and ``failed_requests``."""
         assert self._staging is not None, "set with the cache"
-        staging = self._staging
         for transfer in transfers:
-            keys = self._keys.keys(transfer.salt, transfer.hashes)
-            namespace = self._pages.namespace(transfer.salt)
-            for start in range(0, len(keys), self._batch_blocks):
-                stop = min(len(keys), start + self._batch_blocks)
-                block_ids = transfer.block_ids[start:stop]
-                try:
-                    chunks = self._store.get(
-                        namespace, keys[start:stop], out=list(staging[: stop - start])
-                    )
-                except KVStoreError as error:
-                    log.warning("kvstore load of request %s failed: %s", transfer.req_id, error)
-                    chunks = [None] * (stop - start)
-                loaded = [i for i, chunk in enumerate(chunks) if chunk is not None]
-                failed = [block_ids[i] for i, chunk in enumerate(chunks) if chunk is None]
-                if failed:
-                    self.failed_blocks.update(failed)
-                    self.failed_requests.add(transfer.req_id)
-                if loaded:
-                    cache.scatter(staging, loaded, [block_ids[i] for i in loaded])
+            failed = self._load(transfer, self._staging)
+            if failed:
+                self.failed_blocks.update(failed)
+                self.failed_requests.add(transfer.req_id)
+
+    def load_async(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Hand every transfer to the load thread (``client.vllm.loads``)."""
+        if self._loads is None:
+            raise ConfigError("vLLM has not registered its KV caches with the connector")
+        for transfer in transfers:
+            self._loads.submit(transfer)
+
+    def _load(self, transfer: BlockTransfer, staging: torch.Tensor) -> list[int]:
+        """Bring ``transfer``'s blocks in through ``staging``; the vLLM block ids that failed."""
+        cache = self.cache
+        keys = self._keys.keys(transfer.salt, transfer.hashes)
+        namespace = self._pages.namespace(transfer.salt)
+        failed: list[int] = []
+        for start in range(0, len(keys), self._batch_blocks):
+            stop = min(len(keys), start + self._batch_blocks)
+            block_ids = transfer.block_ids[start:stop]
+            try:
+                chunks = self._store.get(
+                    namespace, keys[start:stop], out=list(staging[: stop - start])
+                )
+            except KVStoreError as error:
+                log.warning("kvstore load of request %s failed: %s", transfer.req_id, error)
+                chunks = [None] * (stop - start)
+            loaded = [i for i, chunk in enumerate(chunks) if chunk is not None]
+            failed += [block_ids[i] for i, chunk in enumerate(chunks) if chunk is None]
+            if loaded:
+                cache.scatter(staging, loaded, [block_ids[i] for i in loaded])
+        return failed
 
     def take_failed_blocks(self) -> set[int]:
         """The block ids that failed to load this step; clears the step's failures."""
@@ -123,10 +143,18 @@ class WorkerSide:
             else:
                 saves.submit(transfer)
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """The finished requests whose saves are out (``get_finished``'s sending ids)."""
-        return self.saves.finished(finished_req_ids) if self._saves is not None else set()
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """``get_finished``: the finished requests whose saves are out, and the requests
+        whose asynchronous loads are done (their failed blocks join ``failed_blocks``,
+        reported in this same pass)."""
+        if self._saves is None or self._loads is None:
+            return set(), set()
+        loaded, failed = self._loads.finished()
+        self.failed_blocks |= failed
+        return self._saves.finished(finished_req_ids), loaded
 
     def close(self) -> None:
+        if self._loads is not None:
+            self._loads.close()
         if self._saves is not None:
             self._saves.close()

@@ -13,7 +13,6 @@ not installed, as in the main suite.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,27 +22,24 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make test-vllm` runs these")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from support.daemon import Daemon, running_daemon  # noqa: E402
-from support.lmdb_blocks import damage_block  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core import kv_cache_utils  # noqa: E402
+from support.vllm_engine import (  # noqa: E402
+    BLOCK,
+    FULL_BLOCKS,
+    damage_stored_block,
+    generate,
+    prompt,
+    save_model,
+    start_llm,
+    stats,
+    stats_once_stored,
+    stop_llm,
+    vllm_keys,
+)
 
 import kvstore  # noqa: E402
-from kvstore.client.vllm.pages import PageFormat  # noqa: E402
-from kvstore.keys import ChunkKey, Namespace  # noqa: E402
-from kvstore.store.stats import StoreStats  # noqa: E402
 from kvstore.tiers.kinds import TierKind  # noqa: E402
 
-BLOCK = 32  # the CPU backend needs a multiple of 32
-PROMPT_TOKENS = 100  # three full blocks and a partial one
-FULL_BLOCKS = PROMPT_TOKENS // BLOCK
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # LMDB only: every read is verified, and the files can be damaged between runs. The
 # predictor is on, to see the connector's session events arrive. A put or get may
 # name at most 2 blocks, fewer than a prompt has (as 4,096 are fewer than the 7,438
@@ -71,20 +67,7 @@ tick_s = 0.1
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -95,64 +78,14 @@ def store_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the workers inherit it
-    engine = LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=BLOCK,
-        max_model_len=256,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVStoreConnector",
-            kv_connector_module_path="kvstore.client.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "url": store_daemon.url,
-                "batch_blocks": 1,
-                "tool_call_end_token_ids": TOOL_CALL_END,
-            },
-        ),
+    engine = start_llm(
+        model_dir,
+        {"url": store_daemon.url, "batch_blocks": 1, "tool_call_end_token_ids": TOOL_CALL_END},
     )
     try:
         yield engine
     finally:
-        core = engine.llm_engine.engine_core
-        core.shutdown()
-        core.ctx.destroy(linger=0)  # vLLM's sync client leaves its zmq context to the GC
-
-
-def prompt(seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(1, 500, PROMPT_TOKENS)]
-
-
-def generate(
-    llm: Any, tokens: list[int], kv_transfer_params: dict[str, Any] | None = None
-) -> tuple[list[int], int]:
-    """Greedy output tokens and the tokens vLLM did not compute (its prefill start)."""
-    params = GREEDY
-    if kv_transfer_params is not None:
-        params = GREEDY.clone()
-        params.extra_args = {"kv_transfer_params": kv_transfer_params}
-    (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
-    return list(output.outputs[0].token_ids), int(output.num_cached_tokens or 0)
-
-
-def stats(daemon: Daemon) -> StoreStats:
-    with kvstore.connect(daemon.url, timeout_s=10.0) as client:
-        return client.stats()
-
-
-def stats_once_stored(daemon: Daemon, chunks_stored: int) -> StoreStats:
-    """The daemon's stats once it has stored ``chunks_stored`` chunks in all: saves are
-    put by the worker's own thread, after the request that made them has returned."""
-    deadline = time.monotonic() + 20.0
-    while (now := stats(daemon)).chunks_stored < chunks_stored:
-        assert time.monotonic() < deadline, (now.chunks_stored, chunks_stored)
-        time.sleep(0.02)
-    return now
+        stop_llm(engine)
 
 
 def test_a_reset_prefix_is_loaded_from_kvstore_not_recomputed(
@@ -205,35 +138,6 @@ def test_a_corrupt_block_is_recomputed_never_used(
     assert again == expected
     assert cached == FULL_BLOCKS * BLOCK
     assert stats(store_daemon).get_misses == after.get_misses
-
-
-def vllm_keys(model_dir: Path, tokens: list[int]) -> tuple[Namespace, list[ChunkKey]]:
-    """The daemon's keys of ``tokens``' full blocks, from vLLM's block hashing run here,
-    outside the engine: SHA-256 chained over ``(parent, block tokens, extra keys)``."""
-    hash_fn = get_hash_fn_by_name("sha256")
-    kv_cache_utils.init_none_hash(hash_fn)
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, FULL_BLOCKS * BLOCK, BLOCK):
-        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[start : start + BLOCK])
-        hashes.append(bytes(parent))
-    pages = PageFormat(
-        model=f"{model_dir}@main",
-        layer_names=("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"),
-        num_kv_heads=1,
-        head_size=64,
-        dtype="float32",
-        block_size=BLOCK,
-    )
-    return pages.namespace(None), pages.keys(None, hashes)
-
-
-def damage_stored_block(daemon: Daemon, namespace: Namespace, key: ChunkKey) -> None:
-    """Flip one payload bit of ``key``'s block, with the daemon stopped (as a disk
-    would), then start the daemon again."""
-    daemon.stop()
-    damage_block(daemon.data_dir / "lmdb", namespace, key, offset=777)
-    daemon.start()
 
 
 def test_an_agents_calls_reach_the_daemons_predictor_as_one_session(

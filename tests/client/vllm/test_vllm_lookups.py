@@ -163,10 +163,10 @@ def test_a_stopped_daemon_costs_the_scheduler_its_wait_per_step(
         assert store.put(PAGES.namespace(None), keys, [payload] * 4) == 4
         side.arrived(cached)
         deadline = time.monotonic() + 10.0
-        while (matched := side.matched_tokens(cached, 0)) is None:
+        while (matched := side.matched_tokens(cached, 0)) == (None, False):
             assert time.monotonic() < deadline
             side.step(no_work())
-        assert matched == 4 * PAGES.block_size  # every whole block before the last token
+        assert matched == (4 * PAGES.block_size, False)  # every whole block, synchronously
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
             stalled = [request(f"stalled-{i}", 4) for i in range(3)]
@@ -176,7 +176,7 @@ def test_a_stopped_daemon_costs_the_scheduler_its_wait_per_step(
             answers: list[list[int | None]] = []
             while not answers or None in answers[-1]:
                 start = time.monotonic()
-                answers.append([side.matched_tokens(each, 0) for each in stalled])
+                answers.append([side.matched_tokens(each, 0)[0] for each in stalled])
                 side.step(no_work())
                 steps.append(time.monotonic() - start)
                 time.sleep(0.005)

@@ -74,6 +74,11 @@ def store(daemon: Daemon) -> Iterator[KVClient]:
         yield client
 
 
+def sent(side: WorkerSide, finished_req_ids: set[str]) -> set[str]:
+    """The finished requests ``side`` names as having their saves out."""
+    return side.finished(finished_req_ids)[0]
+
+
 def worker(store: KVClient, kv: dict[str, torch.Tensor], pool_bytes: int = 64 << 20) -> WorkerSide:
     side = WorkerSide(store, PAGES, batch_blocks=BATCH, save_pool_bytes=pool_bytes)
     side.register(kv)
@@ -87,7 +92,7 @@ def test_saved_pages_load_back_bit_for_bit_into_other_blocks(store: KVClient) ->
     # Two steps of one request: blocks 0-2, then 3-4 (the second names block 2 as parent).
     saver.save([save("a", hashes, 0, [7, 3, 9])])
     saver.save([save("a", hashes, 3, [1, 30])])
-    assert until(lambda: saver.finished({"a"}), "saves out") == {"a"}
+    assert until(lambda: sent(saver, {"a"}), "saves out") == {"a"}
     assert saver.saves.counts.saved == 5
     prefix = store.lookup(PAGES.namespace(None), PAGES.keys(None, hashes))
     assert prefix.num_chunks == 5  # one chain: the second batch found its parent
@@ -100,22 +105,40 @@ def test_saved_pages_load_back_bit_for_bit_into_other_blocks(store: KVClient) ->
     loader.close()
 
 
+def test_an_asynchronous_load_is_named_done_with_the_blocks_that_failed(store: KVClient) -> None:
+    source, target = caches(6), caches(7)
+    saver, loader = worker(store, source), worker(store, target)
+    hashes = chain("async", 5)
+    saver.save([save("async", hashes, 0, [2, 4, 6])])  # the last two blocks never saved
+    assert until(lambda: sent(saver, {"async"}), "saves out") == {"async"}
+
+    asked = BlockTransfer("back", None, 0, tuple(hashes), (10, 11, 12, 13, 14), asynchronous=True)
+    loader.load_async([asked])
+    assert until(lambda: loader.finished(set())[1], "load named done") == {"back"}
+    assert loader.take_failed_blocks() == {13, 14}
+    for name in PAGES.layer_names:
+        assert torch.equal(target[name][[10, 11, 12]], source[name][[2, 4, 6]])
+    assert loader.finished(set()) == (set(), set())  # named once only
+    saver.close()
+    loader.close()
+
+
 def test_a_request_is_held_until_its_saves_are_out_and_named_once(
     daemon: Daemon, store: KVClient
 ) -> None:
     side = worker(store, caches(3))
     hashes = chain("held", 2)
     side.save([save("held", hashes, 0, [4, 5])])
-    assert until(lambda: side.finished(set()) == set() and side.saves.counts.saved, "put")
+    assert until(lambda: sent(side, set()) == set() and side.saves.counts.saved, "put")
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
         more = chain("held", 4)
         side.save([save("held", more, 2, [6, 7])])  # queued; the put waits on the daemon
-        assert side.finished({"held", "never-saved"}) == set()  # not out yet
+        assert sent(side, {"held", "never-saved"}) == set()  # not out yet
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    assert until(lambda: side.finished(set()), "named once out") == {"held"}
-    assert side.finished({"held"}) == set()  # named once only
+    assert until(lambda: sent(side, set()), "named once out") == {"held"}
+    assert sent(side, {"held"}) == set()  # named once only
     side.close()
 
 
@@ -130,10 +153,10 @@ def test_a_store_that_lags_costs_saves_not_the_step(daemon: Daemon, store: KVCli
         side.save([save("lag", hashes, 6, [6, 7])])  # after a drop: dropped, not gathered
         assert time.monotonic() - start < 1.0  # queued or dropped, never waited on
         assert side.saves.counts.dropped == 4
-        assert side.finished({"lag"}) == set()
+        assert sent(side, {"lag"}) == set()
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    assert until(lambda: side.finished(set()), "the queued two put") == {"lag"}
+    assert until(lambda: sent(side, set()), "the queued two put") == {"lag"}
     assert (side.saves.counts.saved, side.saves.counts.dropped) == (4, 4)
     found = store.lookup(PAGES.namespace(None), PAGES.keys(None, hashes))
     assert found.num_chunks == 4  # the chain up to the first dropped block
@@ -145,7 +168,7 @@ def test_a_request_whose_load_failed_saves_nothing_but_is_still_named(store: KVC
     hashes = chain("missing", 2)
     side.load([BlockTransfer("r", None, 0, tuple(hashes), (10, 11))])  # nothing cached
     side.save([save("r", hashes, 0, [10, 11])])
-    assert side.finished({"r"}) == {"r"}
+    assert sent(side, {"r"}) == {"r"}
     assert side.saves.counts.saved == 0
     assert side.take_failed_blocks() == {10, 11}
     side.close()
