@@ -59,9 +59,12 @@ class StoreCore:
         self.config = config
         # Guards everything below; re-entrant, as policies call back into the store.
         self.lock = threading.RLock()
-        # Mutated with ``lock`` held; ``snapshot`` copies them for readers.
+        # Mutated with ``lock`` held (the lookup counters with ``_lookup_counts_lock``, as
+        # a lookup takes no other: ``count_lookup``); ``snapshot`` copies them for readers.
         self.stats = StoreStats()
-        # Mutated only by ``placement`` and this class, with ``lock`` held.
+        self._lookup_counts_lock = threading.Lock()
+        # Mutated only by ``placement`` and this class, with ``lock`` held; a lookup reads
+        # it without (``BlockIndex.fastest``).
         self.index = BlockIndex()
         # Keys a shared tier said it lacks, for ``config.shared_miss_ttl_s``; under ``lock``.
         self.shared_misses = RecentMisses(config.shared_miss_ttl_s)
@@ -197,6 +200,29 @@ class StoreCore:
             if kind.shared:
                 self._confirm_shared(kind, namespace, keys, located)
         return located
+
+    def locate_local(
+        self, namespace: Namespace, keys: Sequence[ChunkKey]
+    ) -> list[TierKind | None] | None:
+        """``locate`` from the index alone and without the store's lock
+        (``BlockIndex.fastest``), or ``None`` where that cannot answer: a shared
+        tier must be asked (the index only vouches for local tiers), or the
+        namespace is not registered yet (``register`` takes the lock)."""
+        digest = namespace.digest
+        if self.has_shared_tier or digest not in self._namespaces:
+            return None
+        self._last_used[digest] = next(self._uses)
+        self.check_lookup(len(keys))
+        self.check_open()
+        return self.index.fastest(keys)
+
+    def count_lookup(self, namespace: Namespace, keys: int, hits: int) -> None:
+        """Count a lookup of ``keys`` keys whose leading ``hits`` are cached (under a lock
+        of its own: a lookup does not take the store's)."""
+        with self._lookup_counts_lock:
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += keys * namespace.chunk_tokens
+            self.stats.lookup_hit_tokens += hits * namespace.chunk_tokens
 
     def _confirm_shared(
         self,

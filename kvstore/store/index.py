@@ -9,7 +9,13 @@ shared tier said it lacks, so a lookup that misses again and again (an engine
 asking for a prefix nobody has cached) costs that tier one round trip, not one
 per lookup.
 
-Not thread safe on its own; the store's lock guards every call.
+The store's lock guards every call that changes it. One read needs no lock:
+``fastest``, a lookup's only question of the index, reads one dictionary entry
+and one attribute per key, each a single step under the GIL, so a lookup never
+waits for the lock that predictor work, an eviction or a long put holds
+(``TieredStore.lookup_nowait``). A lookup that overlaps a move may see a block
+in the tier it is leaving or not yet in the one it goes to: a lookup is
+advice, and the get that follows verifies what it reads.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ class BlockMeta:
 
     ``sizes`` maps each tier holding a copy to the stored size there (codecs
     differ per tier). ``pins`` counts reads in progress plus explicit pins; a
-    pinned block is never an eviction victim. ``session`` is the last session
+    pinned block is never an eviction victim. ``fastest``: the fastest of
+    ``sizes``, kept as each copy is recorded or dropped, so that a lookup reads it
+    without the store's lock (module docstring). ``session`` is the last session
     that wrote the chunk, for placement policies that reason about sessions.
     ``deleted``: a delete came while it was pinned; it goes when the last pin
     does (``Placement.unpin``), not under a reader copying it out.
@@ -40,10 +48,10 @@ class BlockMeta:
     pins: int = 0
     session: str | None = None
     deleted: bool = False
+    fastest: TierKind | None = field(default=None, init=False, compare=False)
 
-    @property
-    def fastest(self) -> TierKind | None:
-        return min(self.sizes) if self.sizes else None
+    def __post_init__(self) -> None:
+        self.fastest = min(self.sizes, default=None)
 
 
 class BlockIndex:
@@ -73,7 +81,8 @@ class BlockIndex:
         return [*ancestors, *keys]
 
     def fastest(self, keys: Iterable[ChunkKey]) -> list[TierKind | None]:
-        """The fastest tier known to hold each key, or ``None``."""
+        """The fastest tier known to hold each key, or ``None``; safe without the
+        store's lock (module docstring)."""
         entries = self._entries
         return [meta.fastest if (meta := entries.get(key)) else None for key in keys]
 
@@ -93,6 +102,8 @@ class BlockIndex:
         elif meta.parent is None and parent is not None:
             meta.parent = parent
         meta.sizes[kind] = nbytes
+        if meta.fastest is None or kind < meta.fastest:
+            meta.fastest = kind
         if session is not None:
             meta.session = session
         return meta
@@ -105,6 +116,7 @@ class BlockIndex:
         del meta.sizes[kind]
         if not meta.sizes:
             del self._entries[key]
+        meta.fastest = min(meta.sizes, default=None)
         return True
 
     def holds(self, kind: TierKind, key: ChunkKey) -> bool:

@@ -93,12 +93,14 @@ class TieredStore(Closing):
         many of them are worth loading rather than recomputing (``config.costs``)."""
         self.register(namespace)
         keys = self.keys_for(namespace, tokens_or_keys)
-        located = self.locate(namespace, keys)
+        return self._prefix(namespace, keys, self.locate(namespace, keys))
+
+    def _prefix(
+        self, namespace: Namespace, keys: list[ChunkKey], located: list[TierKind | None]
+    ) -> CachedPrefix:
+        """The lookup's answer from where each key is (``locate``), counted."""
         run = next((i for i, tier in enumerate(located) if tier is None), len(keys))
-        with self.core.lock:
-            self.core.stats.lookups += 1
-            self.core.stats.lookup_tokens += len(keys) * namespace.chunk_tokens
-            self.core.stats.lookup_hit_tokens += run * namespace.chunk_tokens
+        self.core.count_lookup(namespace, len(keys), run)
         tiers = tuple(tier for tier in located[:run] if tier is not None)
         return CachedPrefix(
             chunk_tokens=namespace.chunk_tokens,
@@ -119,20 +121,17 @@ class TieredStore(Closing):
     def lookup_nowait(
         self, namespace: Namespace, tokens_or_keys: TokensOrKeys
     ) -> CachedPrefix | None:
-        """``lookup`` if it can be answered at once from memory, else ``None``.
+        """``lookup`` answered from the index alone, without the store's lock, else
+        ``None`` (``StoreCore.locate_local`` says when it cannot).
 
-        It can when no shared tier must be asked (the index is authoritative
-        for every other tier) and no other thread holds the store's lock. An
-        event loop calls this first and falls back to ``lookup`` on a worker
-        thread: it saves the thread hop without ever waiting for the lock a
-        long put or eviction may hold.
+        An event loop calls this first and falls back to ``lookup`` on a worker
+        thread. A lookup is on the path of every new request an engine
+        schedules, so it never waits for the lock that predictor work, an
+        eviction or a long put holds, nor for a thread to run it on.
         """
-        if self.core.has_shared_tier or not self.core.lock.acquire(blocking=False):
-            return None
-        try:
-            return self.lookup(namespace, tokens_or_keys)
-        finally:
-            self.core.lock.release()
+        keys = self.keys_for(namespace, tokens_or_keys)
+        located = self.core.locate_local(namespace, keys)
+        return None if located is None else self._prefix(namespace, keys, located)
 
     # -- put --------------------------------------------------------------
 

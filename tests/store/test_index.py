@@ -36,6 +36,7 @@ def test_record_adds_a_tier_and_keeps_size_per_tier_and_the_fastest() -> None:
     assert meta.fastest is HBM
     assert index.fastest([A, B, C]) == [None, HBM, None]
     assert BlockMeta(NS.digest, None).fastest is None
+    assert BlockMeta(NS.digest, None, {SSD: 900, DRAM: 2176}).fastest is DRAM
 
 
 def test_record_fills_a_missing_parent_but_never_replaces_a_known_one() -> None:
@@ -59,6 +60,7 @@ def test_drop_forgets_one_copy_and_the_entry_with_its_last_copy() -> None:
     index.record(SSD, A, NS.digest, None, 2176)
     assert index.drop(HBM, A) is False
     assert index.drop(DRAM, A) is True
+    assert index.fastest([A]) == [SSD]  # kept as copies go, for lookups without the lock
     assert index.drop(DRAM, A) is False
     assert index.get(A) == BlockMeta(NS.digest, None, {SSD: 2176})
     assert index.drop(SSD, A) is True
