@@ -4,6 +4,7 @@ The whole daemon, one module per job::
 
     config.py          DaemonConfig ([daemon] table), ServiceConfig (the whole file)
     run.py             Server: sockets, signals, drain, flush, close
+    collector.py       garbage collection: full passes on a timer, startup's heap frozen
     app.py             create_app: middlewares (errors, auth, drain), health, stats, metrics
     state.py           typed app keys and the daemon's mutable state
     routes.py          the /v1 KV routes: namespaces, lookup, get, leases, delete, events

@@ -52,6 +52,7 @@ from aiohttp import web
 from kvstore.errors import ConfigError, KVStoreError, StartupError
 from kvstore.predictor.service import PredictorService
 from kvstore.server.app import create_app
+from kvstore.server.collector import defer_full_passes, freeze_heap, full_passes
 from kvstore.server.config import RELOADABLE, DaemonConfig, ServiceConfig
 from kvstore.server.state import LEASES, STATE, DaemonState
 from kvstore.store.tiered_store import TieredStore
@@ -85,6 +86,7 @@ class Server:
         self._should_exit = asyncio.Event()
         self._socket_inode: int | None = None
         self._loading: asyncio.Task[None] | None = None  # the predictor's model, once listening
+        self._collecting: asyncio.Task[None] | None = None  # full_passes
         self._failure: StartupError | None = None  # what stopped the daemon, raised by serve()
 
     @property
@@ -98,6 +100,7 @@ class Server:
 
     async def serve(self) -> None:
         _reuse_freed_memory(min(self.daemon.max_body_bytes, 1 << 30))
+        defer_full_passes()
         loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(self.daemon.workers, thread_name_prefix="kvstore-io")
         loop.set_default_executor(executor)
@@ -154,8 +157,11 @@ class Server:
             ", ".join(kind.label for kind in self.store.tier_kinds),
             os.getpid(),
         )
+        self._collecting = asyncio.create_task(full_passes(), name="kvstore-gc")
         if predictor is not None:
             self._loading = asyncio.create_task(self._load_model(predictor))
+        else:
+            freeze_heap()
 
     async def _load_model(self, predictor: PredictorService) -> None:
         """The predictor's model, loaded while the daemon serves; ``weights`` it cannot
@@ -168,6 +174,8 @@ class Server:
             log.error("%s; stopping", self._failure)
             self._should_exit.set()
             return
+        finally:
+            freeze_heap()  # torch is imported now, whatever came of the load
         model = predictor.model
         if model is None:  # unavailable: the service has said why
             return
@@ -260,6 +268,9 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loading
             self._loading = None
+        if self._collecting is not None:
+            self._collecting.cancel()
+            self._collecting = None
         if self.runner is not None and self.app is not None:
             await self._drain(self.runner, self.app[STATE])
             # Closes connections (stragglers get _STRAGGLER_TIMEOUT_S), then
