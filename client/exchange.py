@@ -28,7 +28,7 @@ class Call:
     """One HTTP exchange an operation asks for.
 
     ``body`` is a frames body, sent piece by piece without joining; ``content``
-    raw bytes of ``KEYS_CONTENT_TYPE`` (a lookup's keys); ``sink``
+    raw bytes of ``content_type`` (a lookup's keys, an event with its keys); ``sink``
     receives a ``200`` frames answer as it streams in (any other answer is
     read whole into ``Reply.content``). ``retry``: safe to send again when a
     connection died before any answer (every call but events is idempotent:
@@ -48,6 +48,7 @@ class Call:
     json: Any = None
     body: PutBody | None = None
     content: bytes | None = None
+    content_type: str = KEYS_CONTENT_TYPE
     sink: FramesSink | None = None
     retry: bool = True
     wait: bool = True
@@ -57,7 +58,7 @@ class Call:
     @property
     def headers(self) -> dict[str, str]:
         if self.content is not None:
-            return {"Content-Type": KEYS_CONTENT_TYPE}
+            return {"Content-Type": self.content_type}
         if self.body is None:
             return {}
         return {"Content-Type": FRAMES_CONTENT_TYPE, "Content-Length": str(self.body.nbytes)}

@@ -79,11 +79,13 @@ from kvstore.store.stats import StoreStats
 from kvstore.throttled_log import ThrottledLog
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import (
+    EVENT_CONTENT_TYPE,
     MAX_EVENT_KEYS,
     RequestFinished,
     RequestStarted,
     SessionEvent,
     Trigger,
+    event_to_bytes,
 )
 from kvstore.wire.frames import Seal
 from kvstore.wire.messages import API_PREFIX, GetTransfer, keys_to_bytes, namespace_to_json
@@ -380,7 +382,16 @@ class ClientProtocol:
 
     def _report(self, event: SessionEvent) -> Operation[None]:
         try:
-            yield from self._send(post("/events", event.to_json(), retry=False))
+            if event.keys:  # raw keys: no hex to write on the engine's interpreter
+                call = post(
+                    "/events",
+                    content=event_to_bytes(event),
+                    content_type=EVENT_CONTENT_TYPE,
+                    retry=False,
+                )
+            else:
+                call = post("/events", event.to_json(), retry=False)
+            yield from self._send(call)
         except TierUnavailable:
             with self._lock:
                 self._stats.events_dropped += 1

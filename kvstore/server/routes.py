@@ -35,7 +35,7 @@ from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire import strict_json
 from kvstore.wire.codes import ErrorCode, WireError
-from kvstore.wire.events import parse_event
+from kvstore.wire.events import EVENT_CONTENT_TYPE, parse_event, parse_event_bytes
 from kvstore.wire.frames import Seal
 from kvstore.wire.messages import (
     API_PREFIX,
@@ -118,7 +118,10 @@ async def post_event(request: web.Request) -> web.Response:
     refused and counted, and reaches neither."""
     metrics = request.app[METRICS]
     try:
-        event = parse_event(await read_json(request))
+        if request.content_type == EVENT_CONTENT_TYPE:
+            event = parse_event_bytes(await _read_body(request))
+        else:
+            event = parse_event(await read_json(request))
     except WireError:
         metrics.reject_event(EventRejection.INVALID)
         raise

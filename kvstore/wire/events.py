@@ -34,6 +34,13 @@ and when a user starts a new session it forecasts that user's other idle
 sessions again: a person who opened a new conversation is less often back at
 the old one soon (``learning.online``).
 
+An event with a chain may also travel as ``EVENT_CONTENT_TYPE``: its JSON
+object without ``keys``, a newline, then the keys back to back, 16 bytes each
+(``event_to_bytes``). A 119K-token context in 16-token blocks is 7,438 keys:
+encoding them as hex JSON held an engine's interpreter (and so its
+scheduler's thread) for milliseconds per event; joining them costs a
+fraction of one.
+
 Unknown fields are refused, so a typo in a client is a 400, not a silently
 missing feature. Events are advisory: a client drops one (and counts it)
 rather than delay the engine.
@@ -42,6 +49,7 @@ rather than delay the engine.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from collections.abc import Mapping
@@ -50,11 +58,19 @@ from typing import Any
 
 from kvstore.keys import ChunkKey
 from kvstore.wire.codes import ErrorCode, WireError
-from kvstore.wire.messages import digest_from_hex, keys_from_json, keys_to_json
+from kvstore.wire.messages import (
+    digest_from_hex,
+    keys_from_bytes,
+    keys_from_json,
+    keys_to_bytes,
+    keys_to_json,
+)
 
 MAX_SESSION_CHARS = 256
 MAX_EVENT_KEYS = 1 << 16
 """Keys one event may carry: a 16M-token context in 256-token chunks."""
+EVENT_CONTENT_TYPE = "application/x-kvstore-event"
+"""An event as its JSON object (``keys`` left out), a newline, then its raw keys."""
 UNNAMED = ""
 """``session`` of an event that named none: the daemon infers it from the event's keys."""
 _MAX_COUNT = 1 << 53  # JSON numbers stay exact below this
@@ -150,6 +166,27 @@ def _with_chain(event: SessionEvent, body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def event_to_bytes(event: SessionEvent) -> bytes:
+    """``event`` as ``EVENT_CONTENT_TYPE``: its JSON object, a newline, its raw keys."""
+    body = event.to_json()
+    body.pop("keys", None)
+    return json.dumps(body).encode() + b"\n" + keys_to_bytes(event.keys)
+
+
+def parse_event_bytes(body: bytes) -> SessionEvent:
+    """Validate one ``EVENT_CONTENT_TYPE`` body; any problem is ``bad_request``."""
+    head, newline, keys = body.partition(b"\n")
+    if not newline:
+        raise _bad("an event's JSON object ends with a newline, then come its keys")
+    try:
+        data = json.loads(head)
+    except ValueError:
+        raise _bad("an event must be a JSON object") from None
+    if isinstance(data, Mapping) and "keys" in data:
+        raise _bad("this form carries its keys after the JSON object, not in it")
+    return parse_event(data, tuple(keys_from_bytes(keys, MAX_EVENT_KEYS)))
+
+
 _COUNTS = {
     EventKind.REQUEST_STARTED: ("prompt_tokens", "cached_tokens"),
     EventKind.REQUEST_FINISHED: (
@@ -175,8 +212,9 @@ _OTHER_FIELDS = {
 }
 
 
-def parse_event(data: Any) -> SessionEvent:
-    """Validate one event body; any problem is ``bad_request``."""
+def parse_event(data: Any, raw_keys: tuple[ChunkKey, ...] | None = None) -> SessionEvent:
+    """Validate one event body; any problem is ``bad_request``. ``raw_keys``: the keys
+    that came after its JSON object (``parse_event_bytes``)."""
     if not isinstance(data, Mapping):
         raise _bad("an event must be a JSON object")
     try:
@@ -186,7 +224,7 @@ def parse_event(data: Any) -> SessionEvent:
     unknown = set(data) - _OTHER_FIELDS[kind] - set(_COUNTS[kind])
     if unknown:
         raise _bad(f"unknown field(s) for {kind.value}: {sorted(unknown)}")
-    namespace, keys = _chain(data)
+    namespace, keys = _chain({**data, "keys": raw_keys} if raw_keys else data)
     session = data.get("session", UNNAMED if keys else None)
     named = isinstance(session, str) and 0 < len(session) <= MAX_SESSION_CHARS
     if not named and not (session == UNNAMED and keys):
@@ -225,7 +263,9 @@ def _chain(data: Mapping[str, Any]) -> tuple[bytes | None, tuple[ChunkKey, ...]]
         return None, ()
     if "keys" not in data or "namespace" not in data:
         raise _bad("namespace and keys come together")
-    keys = tuple(keys_from_json(data["keys"], MAX_EVENT_KEYS))
+    keys = data["keys"]
+    if not isinstance(keys, tuple):  # raw keys are parsed already
+        keys = tuple(keys_from_json(keys, MAX_EVENT_KEYS))
     if not keys:
         raise _bad("keys must not be empty (leave out namespace and keys instead)")
     return digest_from_hex(data["namespace"]), keys

@@ -3,6 +3,7 @@ table (pins given back exactly once) and session-event parsing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from support import kv
 
 from kvstore import TieredStore
 from kvstore.errors import ConfigError
-from kvstore.keys import chunk_keys
+from kvstore.keys import ChunkKey, chunk_keys
 from kvstore.predictor.config import PredictorConfig
 from kvstore.server.config import DaemonConfig, ServiceConfig
 from kvstore.server.event_log import EventLog
@@ -24,7 +25,9 @@ from kvstore.wire.events import (
     UNNAMED,
     RequestFinished,
     Trigger,
+    event_to_bytes,
     parse_event,
+    parse_event_bytes,
 )
 
 # -- config ------------------------------------------------------------------------------
@@ -221,6 +224,29 @@ def test_events_parse_into_types_and_the_ring_is_bounded() -> None:
                     "time": when,
                 }
             )
+
+
+def test_an_event_with_raw_keys_parses_as_its_json_form_does() -> None:
+    keys = tuple(ChunkKey(bytes([i]) * 16) for i in range(3))
+    counts = {"steps": 1, "output_tokens": 2, "context_tokens": 3, "loaded_tokens": 0}
+    chained = RequestFinished(
+        UNNAMED, **counts, tool_running=False, recomputed_tokens=3, time=12.5,
+        namespace=bytes(16), keys=keys,
+    )  # fmt: skip
+    plain = RequestFinished("s", **counts, tool_running=True, recomputed_tokens=3, time=1.0)
+    for event in (chained, plain):
+        assert parse_event_bytes(event_to_bytes(event)) == event == parse_event(event.to_json())
+    head, _, tail = event_to_bytes(chained).partition(b"\n")
+    assert "keys" not in json.loads(head) and tail == b"".join(keys)
+    for bad in (
+        head,  # no newline, no keys
+        head + b"\n" + tail[:-1],  # not a whole number of keys
+        b"[]\n" + tail,
+        b"{not json\n" + tail,
+        json.dumps({**json.loads(head), "keys": []}).encode() + b"\n" + tail,
+    ):
+        with pytest.raises(WireError):
+            parse_event_bytes(bad)
 
 
 A_START = {

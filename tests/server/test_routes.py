@@ -26,6 +26,7 @@ from kvstore import cli
 from kvstore.block import check_identity, encode_block, verify_block
 from kvstore.cli import daemon_stats as cli_stats
 from kvstore.keys import KVLayout, Namespace, chunk_keys
+from kvstore.wire.events import EVENT_CONTENT_TYPE, RequestFinished, event_to_bytes
 
 
 def test_health_readiness_and_socket_mode(daemon: Daemon, client: httpx.Client) -> None:
@@ -295,6 +296,22 @@ def test_events_are_validated_and_counted(client: httpx.Client) -> None:
     ):
         response = client.post("/v1/events", json=bad)
         assert response.status_code == 400 and error_code(response) == "bad_request", bad
+
+
+def test_an_event_may_carry_its_keys_raw(client: httpx.Client, ns: Namespace) -> None:
+    """``EVENT_CONTENT_TYPE``: the JSON object, a newline, the keys (what the vLLM
+    connector sends, a chain of thousands of keys without hex)."""
+    keys = tuple(make_chain(ns, 3, start=7000).keys)
+    event = RequestFinished(
+        "agent-raw", steps=1, output_tokens=8, context_tokens=96, tool_running=False,
+        loaded_tokens=0, recomputed_tokens=96, time=time.time(), namespace=ns.digest, keys=keys,
+    )  # fmt: skip
+    headers = {"Content-Type": EVENT_CONTENT_TYPE}
+    response = client.post("/v1/events", content=event_to_bytes(event), headers=headers)
+    assert response.status_code == 200 and response.json() == {"accepted": True}
+    for bad in (event_to_bytes(event)[:-1], json.dumps(event.to_json()).encode()):
+        response = client.post("/v1/events", content=bad, headers=headers)
+        assert response.status_code == 400 and error_code(response) == "bad_request"
 
 
 def test_stats_and_metrics(client: httpx.Client, ns: Namespace) -> None:
