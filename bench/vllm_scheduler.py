@@ -182,7 +182,7 @@ def store_chain(store: KVClient, hashes: Sequence[bytes]) -> None:
     a time, each naming its parent."""
     namespace = PAGES.namespace(None)
     keys = PAGES.keys(None, list(hashes))
-    page = np.zeros(PAGES.num_layers * PAGES.page_bytes, dtype=np.uint8)  # as the workers put
+    page = np.zeros(PAGES.block_bytes, dtype=np.uint8)  # as the workers put
     step = PUT_BATCH - 1  # a batch past the first names its parent too
     for start in range(0, len(keys), step):
         batch = keys[start : start + step]

@@ -83,7 +83,7 @@ import torch
 
 from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
-from kvstore.client.vllm.loads import TOKENS as ASYNC_LOAD_TOKENS
+from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.saves import POOL_BYTES
@@ -128,11 +128,11 @@ def _milliseconds(config: Any, name: str, default_s: float) -> float:
     return float(value) / 1e3
 
 
-def _count(config: Any, name: str, default: int) -> int:
-    """Extra config ``name``, a positive integer (``default`` when absent)."""
+def _count(config: Any, name: str, default: int, least: int = 1) -> int:
+    """Extra config ``name``, an integer of at least ``least`` (``default`` when absent)."""
     value = config.get_from_extra_config(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name} must be an integer of at least {least}, not {value!r}")
     return value
 
 
@@ -174,7 +174,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 events,
                 lookup_wait_s=_milliseconds(transfer_config, "lookup_wait_ms", WAIT_S),
                 lookup_deadline_s=_milliseconds(transfer_config, "lookup_deadline_ms", DEADLINE_S),
-                async_load_tokens=_count(transfer_config, "async_load_tokens", ASYNC_LOAD_TOKENS),
+                async_load_bytes=_count(
+                    transfer_config, "async_load_mib", ASYNC_LOAD_BYTES >> 20, least=0
+                )
+                << 20,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

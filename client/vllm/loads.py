@@ -3,7 +3,7 @@
 A large load made before the forward (a synchronous load) holds up every
 running request for as long as it takes: a returning 119K-token agentic
 context is about 15 GB at Llama-3.1-8B's 128 KiB a token, on the order of a
-second over PCIe. So a load of at least ``async_load_tokens`` is asynchronous:
+second over PCIe. So a load of at least ``async_load_mib`` is asynchronous:
 vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` and keeps stepping::
 
     scheduler: get_num_new_matched_tokens ─► (tokens, True) when tokens >= the threshold
@@ -16,7 +16,9 @@ vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` and keeps stepping::
                the first that failed
 
 Smaller loads stay synchronous: they cost the step less than the extra step an
-asynchronous load costs its request. The blocks a load writes belong to a
+asynchronous load costs its request. The threshold is in bytes, not tokens, as
+a load's time is: 256 MiB is about 15 ms over PCIe and 50 ms of memcpy on a
+CPU, the order of one engine step. The blocks a load writes belong to a
 request that is not running, so no forward reads them meanwhile. A request
 finished (aborted) while its load is on its way keeps its blocks until the load
 is named done (``SchedulerSide.finished``).
@@ -38,8 +40,8 @@ from kvstore.client.vllm.pages import BlockTransfer
 
 log = logging.getLogger("kvstore.client.vllm")
 
-TOKENS = 2048
-"""Default: the smallest load made asynchronous, in tokens."""
+BYTES = 256 << 20
+"""Default: the smallest load made asynchronous, in bytes of KV."""
 CLOSE_WAIT_S = 5.0
 """How long ``close`` waits for a load on its way."""
 

@@ -145,6 +145,11 @@ class PageFormat:
         return self.page_elements * DTYPE_SIZES[self.dtype]
 
     @property
+    def block_bytes(self) -> int:
+        """One block of every layer: one kvstore chunk."""
+        return self.num_layers * self.page_bytes
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype

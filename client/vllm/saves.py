@@ -104,7 +104,7 @@ class Saves:
         self._keys = keys
         self._batch_blocks = batch_blocks
         pages = cache.pages
-        buffer_bytes = batch_blocks * pages.num_layers * pages.page_bytes
+        buffer_bytes = batch_blocks * pages.block_bytes
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for _ in range(max(MIN_BUFFERS, pool_bytes // buffer_bytes)):
             self._free.put(cache.staging(batch_blocks))

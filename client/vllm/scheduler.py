@@ -28,7 +28,7 @@ from typing import Any
 
 from kvstore.client.connect import KVClient
 from kvstore.client.vllm.block_keys import BlockKeys
-from kvstore.client.vllm.loads import TOKENS as ASYNC_LOAD_TOKENS
+from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S, Lookups
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
 from kvstore.client.vllm.sessions import SessionEvents
@@ -68,7 +68,7 @@ class SchedulerSide:
         *,
         lookup_wait_s: float = WAIT_S,
         lookup_deadline_s: float = DEADLINE_S,
-        async_load_tokens: int = ASYNC_LOAD_TOKENS,
+        async_load_bytes: int = ASYNC_LOAD_BYTES,
     ) -> None:
         if hash_block_size <= 0 or pages.block_size % hash_block_size:
             raise KVStoreError(
@@ -81,7 +81,8 @@ class SchedulerSide:
         self._block_keys = BlockKeys(pages)
         self.lookups = Lookups(self._cached_blocks, lookup_wait_s, lookup_deadline_s)
         self._answers: dict[str, _Answer] = {}  # req id -> what the last ask answered
-        self._async_load_tokens = async_load_tokens
+        # The fewest blocks loaded asynchronously: async_load_bytes of KV, rounded up.
+        self._async_load_blocks = max(1, -(-async_load_bytes // pages.block_bytes))
         self._loads: dict[str, BlockTransfer] = {}  # planned, not yet in a step's metadata
         self._loading: set[str] = set()  # asynchronous loads on their way
         self._tracked: dict[str, _Tracked] = {}
@@ -144,9 +145,9 @@ class SchedulerSide:
         cached = self.lookups.answer(request)
         if cached is None:
             return None, False
-        tokens = max(0, cached - first) * size
-        answer.asynchronous = tokens >= self._async_load_tokens
-        return tokens, answer.asynchronous
+        blocks = max(0, cached - first)
+        answer.asynchronous = blocks >= self._async_load_blocks
+        return blocks * size, answer.asynchronous
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load."""

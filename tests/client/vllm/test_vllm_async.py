@@ -65,7 +65,7 @@ def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
         model_dir,
         {
             "url": store_daemon.url,
-            "async_load_tokens": BLOCK,  # every load goes off the step
+            "async_load_mib": 0,  # every load goes off the step
             "lookup_deadline_ms": DEADLINE_MS,
             "session_events": False,
         },

@@ -167,6 +167,15 @@ def test_a_stopped_daemon_costs_the_scheduler_its_wait_per_step(
             assert time.monotonic() < deadline
             side.step(no_work())
         assert matched == (4 * PAGES.block_size, False)  # every whole block, synchronously
+        # Loads of async_load_bytes or more go off the step; smaller ones stay in it.
+        three_blocks = 3 * PAGES.block_bytes
+        ahead = SchedulerSide(
+            store, PAGES, PAGES.block_size, lookup_wait_s=5.0, async_load_bytes=three_blocks
+        )
+        ahead.arrived(cached)
+        assert ahead.matched_tokens(cached, 0) == (4 * PAGES.block_size, True)
+        assert ahead.matched_tokens(cached, 2 * PAGES.block_size) == (2 * PAGES.block_size, False)
+        ahead.close()
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
             stalled = [request(f"stalled-{i}", 4) for i in range(3)]

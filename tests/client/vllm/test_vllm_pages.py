@@ -26,7 +26,7 @@ def pages(**changes: object) -> PageFormat:
 def test_a_chunk_is_one_page_of_every_layer() -> None:
     fmt = pages()
     assert fmt.page_bytes == 2 * 32 * 2 * 64 * 2  # heads x tokens x (K|V) x head x bf16
-    assert fmt.layout.chunk_nbytes == fmt.num_layers * fmt.page_bytes
+    assert fmt.layout.chunk_nbytes == fmt.block_bytes == fmt.num_layers * fmt.page_bytes
     assert fmt.layout.name == "vllm-page"
     assert fmt.namespace(None).hash_algo is HashAlgo.SHA256
 

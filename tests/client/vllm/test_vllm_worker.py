@@ -143,7 +143,7 @@ def test_a_request_is_held_until_its_saves_are_out_and_named_once(
 
 
 def test_a_store_that_lags_costs_saves_not_the_step(daemon: Daemon, store: KVClient) -> None:
-    pages_bytes = BATCH * PAGES.num_layers * PAGES.page_bytes
+    pages_bytes = BATCH * PAGES.block_bytes
     side = worker(store, caches(4), pool_bytes=2 * pages_bytes)  # two batches in flight
     hashes = chain("lag", 8)
     daemon.proc.send_signal(signal.SIGSTOP)
