@@ -16,15 +16,18 @@ that share nothing but the metadata vLLM passes and the kvstore daemon:
   (``client.vllm.lookups``); ``get_num_new_matched_tokens`` answers from it,
   waiting at most what is left of the step's ``lookup_wait_ms`` (``None``,
   "ask again", while it is on its way; 0 once ``lookup_deadline_ms`` passed);
-  ``update_state_after_alloc`` turns the hit into a load plan on the blocks
-  vLLM allocated; ``build_connector_meta`` adds the save plan of the blocks
-  each step completes; ``request_finished`` holds the blocks of a request with
-  saves planned until the workers report them out.
+  a load of ``async_load_mib`` or more is asynchronous (the request waits in
+  ``WAITING_FOR_REMOTE_KVS`` while others run); ``update_state_after_alloc``
+  turns the hit into a load plan on the blocks vLLM allocated;
+  ``build_connector_meta`` adds the save plan of the blocks each step
+  completes; ``request_finished`` holds the blocks of a request with saves
+  planned, or with its asynchronous load on its way, until the workers report.
 * worker side (each worker process, ``client.vllm.worker``): ``start_load_kv``
-  runs the loads before the forward (vLLM calls it first when a step has
-  synchronous loads); ``wait_for_save`` gathers the step's saves into a bounded
-  pool and returns, a thread of its own puts them (``client.vllm.saves``);
-  ``get_finished`` names the finished requests whose saves are out;
+  runs the synchronous loads before the forward and hands the asynchronous ones
+  to a thread of their own (``client.vllm.loads``); ``wait_for_save`` gathers
+  the step's saves into a bounded pool and returns, a thread of its own puts
+  them (``client.vllm.saves``); ``get_finished`` names the finished requests
+  whose saves are out and the requests whose asynchronous loads are done;
   ``wait_for_layer_load`` and ``save_kv_layer`` have nothing to do.
 
 What travels in the metadata (``KVStoreConnectorMetadata``): two lists of
@@ -53,13 +56,15 @@ is inferred, or named in ``kv_transfer_params``).
 Extra config keys: ``url`` (default ``$KVSTORE_URL``, else the daemon's
 default socket), ``timeout_s`` (per I/O phase, default 2), ``batch_blocks``
 (blocks per get/put, default 32), ``lookup_wait_ms`` (default 2),
-``lookup_deadline_ms`` (default 100), ``save_pool_mib`` (host memory for saves
-on their way, default 256), ``session_events`` (default true),
-``tool_call_end_token_ids`` (default none: no request reports a running tool).
+``lookup_deadline_ms`` (default 100), ``async_load_mib`` (the smallest load made
+off the step, default 256), ``save_pool_mib`` (host memory for saves on their
+way, default 256), ``session_events`` (default true), ``tool_call_end_token_ids``
+(default none: no request reports a running tool).
 
-Limits: one KV cache group of plain attention (no hybrid, no MLA); with
-tensor parallelism the scheduler asks rank 0's namespace and other ranks
-report what they lack as load errors; loads are synchronous, not layer-wise.
+Limits: one KV cache group, of full attention or MLA (no ``SupportsHMA``: vLLM
+turns its hybrid KV cache manager off for this connector); with tensor
+parallelism the scheduler asks rank 0's namespace and other ranks report what
+they lack as load errors; loads are whole-model, not layer-wise.
 """
 
 from __future__ import annotations

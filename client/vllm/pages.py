@@ -5,10 +5,12 @@ tests share one definition of how a vLLM KV block becomes a kvstore chunk:
 
 * A chunk is one vLLM block of ``block_size`` tokens: the block's page of every
   attention layer, in the KV cache group's layer order, each page copied as
-  the ``[H, N, C]`` logical view vLLM hands connectors. The bytes are opaque
-  to kvstore and round-trip exactly, whatever physical order the attention
-  backend keeps (``KVLayout.name`` is ``"vllm-page"`` so such chunks never mix
-  with chunks in kvstore's own ``LKTHD`` order).
+  the ``[H, N, C]`` logical view vLLM hands connectors (``C`` is K's and V's
+  head sizes together; for MLA, one latent vector a token and no V). The
+  bytes are opaque to kvstore and round-trip exactly, whatever physical order
+  the attention backend keeps (``KVLayout.name`` is ``"vllm-page"``, with the
+  K and V head sizes where they differ, so such chunks never mix with chunks
+  in kvstore's own ``LKTHD`` order or with another page shape).
 * A chunk's key is ``external_keys(namespace, [block_hash])`` of vLLM's own
   chained block hash (``request.block_hashes``), so kvstore agrees with vLLM's
   prefix cache on what a block is, ``cache_salt`` and multimodal inputs
@@ -79,6 +81,7 @@ class PageFormat:
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
+    head_size_v: int | None = None  # None: V's head size is K's; 0: MLA's latent, no V
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -86,14 +89,30 @@ class PageFormat:
                 f"kvstore cannot store vLLM KV of dtype {self.dtype!r}; "
                 f"supported: {sorted(DTYPE_SIZES)}"
             )
+        if self.state_size % 2:
+            raise ConfigError(
+                f"a page of K head size {self.head_size} and V head size {self.v_size} "
+                "has an odd width; kvstore lays a chunk out in K and V halves"
+            )
+
+    @property
+    def v_size(self) -> int:
+        return self.head_size if self.head_size_v is None else self.head_size_v
+
+    @property
+    def state_size(self) -> int:
+        """Elements a token keeps per head: K's and V's head sizes together."""
+        return self.head_size + self.v_size
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> PageFormat:
         """The format of ``kv_cache_config``'s one attention group; refuses the rest.
 
-        Hybrid models (several KV cache groups), MLA, padded pages and K/V of
-        different head sizes are refused with a ``ConfigError`` rather than
-        stored in a shape the other side could misread.
+        Full attention and MLA (``MLAAttentionSpec``: one latent a token) are
+        stored; several KV cache groups (vLLM's hybrid KV cache manager, which
+        vLLM turns off for a connector without ``SupportsHMA``), other specs
+        and padded pages are refused with a ``ConfigError`` rather than stored
+        in a shape the other side could misread.
         """
         groups = list(kv_cache_config.kv_cache_groups)
         if len(groups) != 1:
@@ -105,13 +124,12 @@ class PageFormat:
         for attribute in ("num_kv_heads", "head_size", "dtype"):
             if not hasattr(spec, attribute):
                 raise ConfigError(f"unsupported KV cache spec {type(spec).__name__}")
-        if type(spec).__name__ not in ("FullAttentionSpec", "AttentionSpec"):
+        kind = type(spec).__name__
+        if kind not in ("FullAttentionSpec", "AttentionSpec", "MLAAttentionSpec"):
             raise ConfigError(
-                f"the kvstore vLLM connector stores full-attention pages, not {type(spec).__name__}"
+                f"the kvstore vLLM connector stores full-attention and MLA pages, not {kind}"
             )
-        head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
-        if head_size_v != spec.head_size:
-            raise ConfigError("K and V of different head sizes are not supported")
+        head_size_v = getattr(spec, "head_size_v", None)
         dtype = str(spec.dtype).removeprefix("torch.")
         model_config = vllm_config.model_config
         pages = cls(
@@ -123,6 +141,7 @@ class PageFormat:
             block_size=int(spec.block_size),
             tp_rank=tp_rank,
             tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            head_size_v=None if head_size_v is None else int(head_size_v),
         )
         if int(spec.page_size_bytes) != pages.page_bytes:
             raise ConfigError(
@@ -137,8 +156,8 @@ class PageFormat:
 
     @property
     def page_elements(self) -> int:
-        """Elements of one layer's page: ``H * N * 2D``."""
-        return self.num_kv_heads * self.block_size * 2 * self.head_size
+        """Elements of one layer's page: ``H * N * (D_k + D_v)``."""
+        return self.num_kv_heads * self.block_size * self.state_size
 
     @property
     def page_bytes(self) -> int:
@@ -156,13 +175,18 @@ class PageFormat:
 
     @property
     def layout(self) -> KVLayout:
+        """The chunk as kvstore's ``(L, 2, N, H, D)``: ``2D`` is K's and V's head sizes
+        together (``state_size``), which the layout's name spells out where they differ."""
+        name = PAGE_LAYOUT
+        if self.v_size != self.head_size:
+            name = f"{PAGE_LAYOUT}:k{self.head_size}v{self.v_size}"
         return KVLayout(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_size,
+            head_dim=self.state_size // 2,
             dtype=self.dtype,
             chunk_tokens=self.block_size,
-            name=PAGE_LAYOUT,
+            name=name,
             page_tokens=self.block_size,
         )
 

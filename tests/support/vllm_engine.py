@@ -57,14 +57,20 @@ def save_model(path: Path) -> Path:
     return path
 
 
-def start_llm(model_dir: Path, extra_config: dict[str, Any], **engine: Any) -> Any:
+def start_llm(
+    model_dir: Path,
+    extra_config: dict[str, Any],
+    *,
+    block_size: int = BLOCK,
+    **engine: Any,
+) -> Any:
     """An offline ``LLM`` on the CPU build with the connector and ``extra_config``."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the workers inherit it
     return LLM(
         model=str(model_dir),
         skip_tokenizer_init=True,
         dtype="float32",
-        block_size=BLOCK,
+        block_size=block_size,
         max_model_len=256,
         enforce_eager=True,
         seed=0,

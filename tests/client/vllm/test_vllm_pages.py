@@ -31,6 +31,19 @@ def test_a_chunk_is_one_page_of_every_layer() -> None:
     assert fmt.namespace(None).hash_algo is HashAlgo.SHA256
 
 
+def test_an_mla_page_is_one_latent_a_token_and_a_namespace_of_its_own() -> None:
+    mla = pages(num_kv_heads=1, head_size=576, head_size_v=0)  # DeepSeek-V2: 512 + 64
+    assert mla.page_bytes == 32 * 576 * 2  # tokens x latent x bf16, no V
+    assert mla.layout.chunk_nbytes == mla.block_bytes
+    assert mla.layout.name == "vllm-page:k576v0"
+    # The same bytes a page as a model with K and V of 288: never the same keys.
+    hashes = [hashlib.sha256(b"x").digest()]
+    twin = pages(num_kv_heads=1, head_size=288, model=mla.model)
+    assert twin.block_bytes == mla.block_bytes and twin.keys(None, hashes) != mla.keys(None, hashes)
+    with pytest.raises(ConfigError, match="odd width"):
+        pages(num_kv_heads=1, head_size=577, head_size_v=0)
+
+
 def test_salt_rank_and_shape_each_change_every_key() -> None:
     hashes = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
     base = pages().keys(None, hashes)
