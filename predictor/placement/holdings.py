@@ -177,9 +177,17 @@ class Holdings:
         """The mean stay of the blocks pressure pushed out of ``kind`` (None: none yet)."""
         return self._residence.get(kind)
 
-    def fastest(self, key: ChunkKey) -> TierKind | None:
-        """The fastest tier holding ``key``."""
-        return next((kind for kind, r in self.tiers.items() if key in r.owner), None)
+    def fastest_each(self, keys: Iterable[ChunkKey]) -> Iterator[TierKind | None]:
+        """The fastest tier holding each key (``None``: none), in turn. A session's chain
+        is thousands of keys, each asked of every tier: one loop, no generator per key."""
+        owners = [(kind, ranking.owner) for kind, ranking in self.tiers.items()]
+        for key in keys:
+            for kind, owner in owners:
+                if key in owner:
+                    yield kind
+                    break
+            else:
+                yield None
 
     def fastest_below(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
         """The fastest tier slower than ``tier`` holding ``key``."""

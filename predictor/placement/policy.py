@@ -525,8 +525,8 @@ class PlacementPolicy:
         # of it goes to ``promote``, so the part already in ``to`` is protected too.
         head: list[ChunkKey] = []
         slower: list[tuple[ChunkKey, TierKind]] = []
-        for key in state.chain[: self._slots(store, to) // 2]:
-            fastest = self._held.fastest(key)
+        chain = state.chain[: self._slots(store, to) // 2]
+        for key, fastest in zip(chain, self._held.fastest_each(chain), strict=True):
             if fastest is None:
                 break
             head.append(key)

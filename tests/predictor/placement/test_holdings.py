@@ -57,5 +57,5 @@ def test_the_fastest_copy_below_a_tier() -> None:
     held.entered(HBM, a, "a", now=0.0)
     assert held.fastest_below(HBM, a[0]) is None
     held.entered(TierKind.SSD, a, "a", now=0.0)
-    assert held.fastest(a[0]) is HBM
+    assert list(held.fastest_each([a[0], *chain("b", 1)])) == [HBM, None]
     assert held.fastest_below(HBM, a[0]) is TierKind.SSD
