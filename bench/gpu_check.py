@@ -15,8 +15,11 @@ time limit (together 475 s, inside 8 minutes)::
     install      the carried wheels and kvstore into the scratch dir  50 s
     cuda_tests   pytest -m cuda: HBM tier on the device, pinned DRAM,  50 s
                  CUDA IPC of HBM blocks between daemon and client,
-                 the HF path in bf16 (KV exact, logits within bf16
-                 rounding of recompute, the same greedy tokens)
+                 the vLLM worker's pages on the device (saves on the
+                 side stream, loads before the forward and on the
+                 load thread), the HF path in bf16 (KV exact, logits
+                 within bf16 rounding of recompute, the same greedy
+                 tokens)
     tiers        bench/tiers.py --tiers hbm,dram: HBM get against a   50 s
                  device copy, DRAM -> HBM against pinned H2D
     engine       bench/engine.py --device cuda --quick, Llama-3.1-8B 220 s

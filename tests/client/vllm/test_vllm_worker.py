@@ -38,11 +38,13 @@ capacity = "32MiB"
 """
 
 
-def caches(seed: int) -> dict[str, torch.Tensor]:
-    """vLLM's CPU caches of ``PAGES``: per layer ``[blocks, heads, block_size, 2 * head]``."""
+def caches(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """vLLM's caches of ``PAGES``: per layer ``[blocks, heads, block_size, 2 * head]``."""
     generator = torch.Generator().manual_seed(seed)
     shape = (BLOCKS, PAGES.num_kv_heads, PAGES.block_size, 2 * PAGES.head_size)
-    return {name: torch.randn(shape, generator=generator) for name in PAGES.layer_names}
+    return {
+        name: torch.randn(shape, generator=generator).to(device) for name in PAGES.layer_names
+    }
 
 
 def chain(name: str, blocks: int) -> list[bytes]:
@@ -119,6 +121,31 @@ def test_an_asynchronous_load_is_named_done_with_the_blocks_that_failed(store: K
     for name in PAGES.layer_names:
         assert torch.equal(target[name][[10, 11, 12]], source[name][[2, 4, 6]])
     assert loader.finished(set()) == (set(), set())  # named once only
+    saver.close()
+    loader.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pages_round_trip_through_the_side_stream_and_the_load_thread(
+    store: KVClient,
+) -> None:
+    """KV caches on the device, as vLLM's CUDA workers hold them: saves gathered on the
+    side stream, then loaded back before the forward and on the load thread's stream."""
+    source, target = caches(8, "cuda"), caches(9, "cuda")
+    saver, loader = worker(store, source), worker(store, target)
+    hashes = chain("cuda", 6)
+    saver.save([save("cuda", hashes, 0, [5, 6, 7, 8, 9, 10])])
+    assert until(lambda: sent(saver, {"cuda"}), "saves out") == {"cuda"}
+
+    loader.load([BlockTransfer("sync", None, 0, tuple(hashes[:3]), (0, 1, 2))])
+    rest = BlockTransfer("async", None, 3, tuple(hashes[3:]), (3, 4, 11), asynchronous=True)
+    loader.load_async([rest])
+    assert until(lambda: loader.finished(set())[1], "load named done") == {"async"}
+    assert loader.take_failed_blocks() == set()
+    torch.cuda.synchronize()
+    for name in PAGES.layer_names:
+        assert torch.equal(target[name][[0, 1, 2, 3, 4, 11]], source[name][[5, 6, 7, 8, 9, 10]])
     saver.close()
     loader.close()
 
