@@ -266,6 +266,10 @@ def test_a_redis_tier_runs_on_a_private_server(trace_file: Path) -> None:
     )
 
 
+@pytest.mark.skipif(
+    not (TRACES / "mooncake_conversation_trace.jsonl").is_file(),
+    reason="Mooncake's conversation trace (../shared/data/traces) is absent",
+)
 def test_mooncake_conversation_trace_quick() -> None:
     trace = load_trace(TRACES / "mooncake_conversation_trace.jsonl")
     config = ReplayConfig(Sizing(40, 200, 2000), max_requests=300)

@@ -87,6 +87,10 @@ def test_bad_traces_are_clear_errors(tmp_path: Path) -> None:
         load_trace(tmp_path / "empty.jsonl", TraceFormat.MOONCAKE)
 
 
+@pytest.mark.skipif(
+    not (TRACES / "mooncake_conversation_trace.jsonl").is_file(),
+    reason="the public traces (../shared/data/traces) are absent",
+)
 def test_shared_traces_load_with_the_documented_shape() -> None:
     conversation = load_trace(TRACES / "mooncake_conversation_trace.jsonl")
     assert len(conversation.requests) == 12031
