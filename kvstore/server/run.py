@@ -52,7 +52,12 @@ from aiohttp import web
 from kvstore.errors import ConfigError, KVStoreError, StartupError
 from kvstore.predictor.service import PredictorService
 from kvstore.server.app import create_app
-from kvstore.server.collector import defer_full_passes, freeze_heap, full_passes
+from kvstore.server.collector import (
+    defer_full_passes,
+    freeze_heap,
+    full_passes,
+    skip_exit_pass,
+)
 from kvstore.server.config import RELOADABLE, DaemonConfig, ServiceConfig
 from kvstore.server.state import LEASES, STATE, DaemonState
 from kvstore.store.tiered_store import TieredStore
@@ -174,8 +179,7 @@ class Server:
             log.error("%s; stopping", self._failure)
             self._should_exit.set()
             return
-        finally:
-            freeze_heap()  # torch is imported now, whatever came of the load
+        freeze_heap()  # torch is imported now (not when stopping: nothing to keep then)
         model = predictor.model
         if model is None:  # unavailable: the service has said why
             return
@@ -290,6 +294,7 @@ class Server:
             finally:
                 await asyncio.to_thread(store.close)
         log.info("stopped in %.2f s", time.monotonic() - started)
+        skip_exit_pass()
 
     async def _drain(self, runner: web.AppRunner, state: DaemonState) -> None:
         """Stop listening, then wait until no request is in flight or the deadline."""
