@@ -23,6 +23,7 @@ One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``)::
           PutBody                    put_body.py         a put's frames, sealed as it goes
           open_body                  get_body.py         a get's body read off the socket
           BufferPool                 buffers.py          plain gets' payload buffers, reused
+          FinishedLeases             finished_leases.py  leases to give back with the next get
           LeasedCopier               leased_copy.py      a shared-memory get's copies out
             SharedArena              shm.py                of the daemon's DRAM arena
             HBMArena, copy_device    device.py             and of its HBM arena (CUDA IPC)

@@ -172,6 +172,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             cache_config = vllm_config.cache_config
             hash_block_size = cache_config.hash_block_size or cache_config.block_size
             events = _session_events(transfer_config, self._store, pages)
+            async_mib = _count(transfer_config, "async_load_mib", ASYNC_LOAD_BYTES >> 20, least=0)
             self._scheduler = SchedulerSide(
                 self._store,
                 pages,
@@ -179,10 +180,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 events,
                 lookup_wait_s=_milliseconds(transfer_config, "lookup_wait_ms", WAIT_S),
                 lookup_deadline_s=_milliseconds(transfer_config, "lookup_deadline_ms", DEADLINE_S),
-                async_load_bytes=_count(
-                    transfer_config, "async_load_mib", ASYNC_LOAD_BYTES >> 20, least=0
-                )
-                << 20,
+                async_load_bytes=async_mib << 20,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

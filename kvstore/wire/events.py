@@ -224,7 +224,7 @@ def parse_event(data: Any, raw_keys: tuple[ChunkKey, ...] | None = None) -> Sess
     unknown = set(data) - _OTHER_FIELDS[kind] - set(_COUNTS[kind])
     if unknown:
         raise _bad(f"unknown field(s) for {kind.value}: {sorted(unknown)}")
-    namespace, keys = _chain({**data, "keys": raw_keys} if raw_keys else data)
+    namespace, keys = _chain(data, raw_keys)
     session = data.get("session", UNNAMED if keys else None)
     named = isinstance(session, str) and 0 < len(session) <= MAX_SESSION_CHARS
     if not named and not (session == UNNAMED and keys):
@@ -257,15 +257,17 @@ def parse_event(data: Any, raw_keys: tuple[ChunkKey, ...] | None = None) -> Sess
     return RequestFinished(tool_running=tool_running, namespace=namespace, keys=keys, **common)
 
 
-def _chain(data: Mapping[str, Any]) -> tuple[bytes | None, tuple[ChunkKey, ...]]:
-    """The event's ``namespace`` and ``keys``: both or neither."""
-    if "keys" not in data and "namespace" not in data:
+def _chain(
+    data: Mapping[str, Any], raw_keys: tuple[ChunkKey, ...] | None
+) -> tuple[bytes | None, tuple[ChunkKey, ...]]:
+    """The event's ``namespace`` and keys (``raw_keys`` when they came raw, else the
+    JSON ``keys``): both or neither."""
+    has_keys = "keys" in data or bool(raw_keys)
+    if not has_keys and "namespace" not in data:
         return None, ()
-    if "keys" not in data or "namespace" not in data:
+    if not has_keys or "namespace" not in data:
         raise _bad("namespace and keys come together")
-    keys = data["keys"]
-    if not isinstance(keys, tuple):  # raw keys are parsed already
-        keys = tuple(keys_from_json(keys, MAX_EVENT_KEYS))
+    keys = raw_keys or tuple(keys_from_json(data["keys"], MAX_EVENT_KEYS))
     if not keys:
         raise _bad("keys must not be empty (leave out namespace and keys instead)")
     return digest_from_hex(data["namespace"]), keys

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import kvstore
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.store.stats import StoreStats
+from kvstore.tiers.kinds import TierKind
 from support.daemon import Daemon
 from support.lmdb_blocks import damage_block
 
@@ -40,20 +42,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
-def save_model(path: Path) -> Path:
-    """A random-weight Llama (two layers, one KV head of 64) saved at ``path``."""
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=256,
-    )
+def save_model(path: Path, **config: Any) -> Path:
+    """A random-weight Llama (two layers, one KV head of 64; ``config`` changes or adds
+    fields of its ``LlamaConfig``) saved at ``path``."""
+    fields: dict[str, Any] = {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+    }
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**{**fields, **config})).save_pretrained(path)
     return path
 
 
@@ -105,6 +108,37 @@ def generate(
         params.extra_args = {"kv_transfer_params": kv_transfer_params}
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
     return list(output.outputs[0].token_ids), int(output.num_cached_tokens or 0)
+
+
+@dataclass(frozen=True)
+class Reload:
+    """A prompt generated, vLLM's own cache reset, the same prompt generated again
+    (``reload``): the outputs, the tokens vLLM did not compute each time, and the
+    daemon's stats before, once the first run's blocks were stored, and after."""
+
+    first: list[int]
+    second: list[int]
+    cached_first: int
+    cached_second: int
+    before: StoreStats
+    stored: StoreStats
+    after: StoreStats
+
+    @property
+    def ssd_hits(self) -> int:
+        """Blocks the daemon served from LMDB to the second run."""
+        return self.after.tiers[TierKind.SSD].hits - self.stored.tiers[TierKind.SSD].hits
+
+
+def reload(llm: Any, daemon: Daemon, tokens: list[int], full_blocks: int = FULL_BLOCKS) -> Reload:
+    """Generate ``tokens``, wait for its ``full_blocks`` to be stored, reset vLLM's own
+    prefix cache and generate them again."""
+    before = stats(daemon)
+    first, cached_first = generate(llm, tokens)
+    stored = stats_once_stored(daemon, before.chunks_stored + full_blocks)
+    assert llm.reset_prefix_cache()
+    second, cached_second = generate(llm, tokens)
+    return Reload(first, second, cached_first, cached_second, before, stored, stats(daemon))
 
 
 def stats(daemon: Daemon) -> StoreStats:

@@ -25,6 +25,7 @@ from support.vllm_engine import (  # noqa: E402
     damage_stored_block,
     generate,
     prompt,
+    reload,
     save_model,
     start_llm,
     stats,
@@ -80,18 +81,11 @@ def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
 def test_an_asynchronous_load_brings_back_the_same_tokens(
     llm: Any, store_daemon: Daemon
 ) -> None:
-    tokens = prompt(11)
-    before = stats(store_daemon)
-    first, _ = generate(llm, tokens)
-    stored = stats_once_stored(store_daemon, before.chunks_stored + FULL_BLOCKS)
-
-    assert llm.reset_prefix_cache()
-    second, cached = generate(llm, tokens)
-    after = stats(store_daemon)
-    assert second == first
-    assert cached == FULL_BLOCKS * BLOCK
-    assert after.tiers[TierKind.SSD].hits - stored.tiers[TierKind.SSD].hits == FULL_BLOCKS
-    assert after.get_misses == stored.get_misses
+    run = reload(llm, store_daemon, prompt(11))
+    assert run.second == run.first
+    assert run.cached_second == FULL_BLOCKS * BLOCK
+    assert run.ssd_hits == FULL_BLOCKS
+    assert run.after.get_misses == run.stored.get_misses
 
 
 def test_a_failed_asynchronous_load_is_recomputed_never_used(

@@ -29,6 +29,7 @@ from support.vllm_engine import (  # noqa: E402
     damage_stored_block,
     generate,
     prompt,
+    reload,
     save_model,
     start_llm,
     stats,
@@ -91,24 +92,17 @@ def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
 def test_a_reset_prefix_is_loaded_from_kvstore_not_recomputed(
     llm: Any, store_daemon: Daemon
 ) -> None:
-    tokens = prompt(1)
-    before = stats(store_daemon)
-    first, cached_first = generate(llm, tokens)
-    stored = stats_once_stored(store_daemon, before.chunks_stored + FULL_BLOCKS)
-    assert cached_first == 0
-    assert stored.chunks_stored - before.chunks_stored == FULL_BLOCKS
+    run = reload(llm, store_daemon, prompt(1))
+    assert run.cached_first == 0
+    assert run.stored.chunks_stored - run.before.chunks_stored == FULL_BLOCKS
 
-    assert llm.reset_prefix_cache()
-    second, cached_second = generate(llm, tokens)
-    after = stats(store_daemon)
-
-    assert second == first
+    assert run.second == run.first
     # vLLM's own cache was empty, so its prefill started past kvstore's blocks...
-    assert cached_second == FULL_BLOCKS * BLOCK
+    assert run.cached_second == FULL_BLOCKS * BLOCK
     # ...which the daemon served, every one verified, none missing or stored again.
-    assert after.tiers[TierKind.SSD].hits - stored.tiers[TierKind.SSD].hits == FULL_BLOCKS
-    assert after.get_misses == stored.get_misses
-    assert after.chunks_stored == stored.chunks_stored
+    assert run.ssd_hits == FULL_BLOCKS
+    assert run.after.get_misses == run.stored.get_misses
+    assert run.after.chunks_stored == run.stored.chunks_stored
 
 
 def test_a_corrupt_block_is_recomputed_never_used(

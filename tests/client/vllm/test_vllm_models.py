@@ -17,6 +17,7 @@ output. Run by ``make test-vllm``; skipped where vLLM is not installed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,23 +28,13 @@ import torch  # noqa: E402
 from support.daemon import Daemon, running_daemon  # noqa: E402
 from support.vllm_engine import (  # noqa: E402
     PROMPT_TOKENS,
-    generate,
     prompt,
+    reload,
+    save_model,
     start_llm,
-    stats,
-    stats_once_stored,
     stop_llm,
 )
-from transformers import (  # noqa: E402
-    DeepseekV2Config,
-    DeepseekV2ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-)
-
-from kvstore.tiers.kinds import TierKind  # noqa: E402
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:::(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"
@@ -56,7 +47,7 @@ capacity = "256MiB"
 """
 
 
-def deepseek_v2() -> PreTrainedModel:
+def save_deepseek_v2(path: Path) -> None:
     config = DeepseekV2Config(
         vocab_size=512,
         hidden_size=128,
@@ -75,31 +66,20 @@ def deepseek_v2() -> PreTrainedModel:
         num_experts_per_tok=2,
         moe_intermediate_size=64,
     )
-    return DeepseekV2ForCausalLM(config)
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(config).save_pretrained(path)
 
 
-def sliding_and_full_llama() -> PreTrainedModel:
-    config: PretrainedConfig = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=256,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=48,
-    )
-    return LlamaForCausalLM(config)
+def save_sliding_and_full_llama(path: Path) -> None:
+    save_model(path, layer_types=["sliding_attention", "full_attention"], sliding_window=48)
 
 
 # name -> the model, vLLM's block size for it, and its attention backend. CPU_MLA is
 # named: vLLM prefers AMX_MLA where the CPU has AMX, which takes other blocks and dtypes,
 # and the reference backend runs on every x86-64 CPU.
-KINDS: dict[str, tuple[Callable[[], PreTrainedModel], int, dict[str, Any]]] = {
-    "mla": (deepseek_v2, 16, {"attention_config": {"backend": "CPU_MLA"}}),
-    "sliding+full": (sliding_and_full_llama, 32, {}),
+KINDS: dict[str, tuple[Callable[[Path], None], int, dict[str, Any]]] = {
+    "mla": (save_deepseek_v2, 16, {"attention_config": {"backend": "CPU_MLA"}}),
+    "sliding+full": (save_sliding_and_full_llama, 32, {}),
 }
 
 
@@ -113,10 +93,9 @@ def store_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, store_daemon: Daemon
 ) -> Iterator[tuple[Any, int]]:
-    make, block_size, engine_options = KINDS[request.param]
+    save, block_size, engine_options = KINDS[request.param]
     model_dir = tmp_path_factory.mktemp(request.param.replace("+", "-"))
-    torch.manual_seed(0)
-    make().save_pretrained(model_dir)
+    save(model_dir)
     connector = {"url": store_daemon.url, "session_events": False}
     llm = start_llm(model_dir, connector, block_size=block_size, **engine_options)
     try:
@@ -130,15 +109,8 @@ def test_a_reset_engine_loads_every_full_block_and_gives_the_same_output(
 ) -> None:
     llm, block_size = engine
     full_blocks = PROMPT_TOKENS // block_size  # the block holding the last token is computed
-    tokens = prompt(21)
-    before = stats(store_daemon)
-    first, _ = generate(llm, tokens)
-    stored = stats_once_stored(store_daemon, before.chunks_stored + full_blocks)
-
-    assert llm.reset_prefix_cache()
-    second, cached = generate(llm, tokens)
-    after = stats(store_daemon)
-    assert second == first
-    assert cached == full_blocks * block_size
-    assert after.tiers[TierKind.SSD].hits - stored.tiers[TierKind.SSD].hits == full_blocks
-    assert after.get_misses == stored.get_misses
+    run = reload(llm, store_daemon, prompt(21), full_blocks)
+    assert run.second == run.first
+    assert run.cached_second == full_blocks * block_size
+    assert run.ssd_hits == full_blocks
+    assert run.after.get_misses == run.stored.get_misses
