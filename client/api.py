@@ -33,7 +33,7 @@ from typing import Protocol, Self, runtime_checkable
 
 from kvstore.client.failures import ClientStats
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, OutData
 from kvstore.store.stats import StoreStats
 from kvstore.wire.events import Trigger
 
@@ -57,7 +57,7 @@ class KVStoreAPI(Protocol):
 
     def get(
         self, namespace: Namespace, keys: Sequence[ChunkKey],
-        *, out: Sequence[ChunkData] | None = None,
+        *, out: Sequence[OutData] | None = None,
     ) -> list[KVChunk | None]:  # fmt: skip
         """The verified chunk for each key, or ``None`` (a miss); with ``out``, each
         payload lands in the caller's buffer."""
@@ -127,7 +127,7 @@ class AsyncKVStoreAPI(Protocol):
 
     async def get(
         self, namespace: Namespace, keys: Sequence[ChunkKey],
-        *, out: Sequence[ChunkData] | None = None,
+        *, out: Sequence[OutData] | None = None,
     ) -> list[KVChunk | None]: ...  # fmt: skip
 
     async def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int: ...

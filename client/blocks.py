@@ -27,11 +27,12 @@ from there, if given):
   ``kvstore.store.reader`` overlaps LMDB reads; ``finish`` waits for the last.
 * ``copy_leased`` copies the blocks a ``"shm"`` lease points at out of the
   read-only mapping (``client.shm``), checked as ``Verify`` says. A large
-  batch is copied by two threads taking blocks in turn (copy and checksum
-  release the GIL): with a core to spare two threads move 1.3-1.4x the
-  bytes of one, and on a busy host neither waits long for the other. A
-  lease's HBM blocks are copied device to device by ``client.device``
-  instead, and reach ``copy_leased`` as done or inline.
+  batch of large blocks checksummed as they are copied (FULL) is copied by
+  two threads taking blocks in turn (copy and checksum release the GIL);
+  anything else by one, as a second thread then costs more GIL hand-offs
+  than it saves (``PARALLEL_COPY_BYTES``). A lease's HBM blocks are copied
+  device to device by ``client.device`` instead, and reach ``copy_leased``
+  as done or inline.
 
 How a shared-memory copy is checked (``Verify``)::
 
@@ -61,7 +62,8 @@ re-checksummed either.
 With ``out`` buffers, host arrays (the caller's own, or the staging of its
 device tensors: ``kvstore.store.out_buffers``), the returned ``KVChunk`` is a
 view of the array, as with ``TieredStore.get(out=)``; a missed block leaves
-its array with unspecified contents.
+its array with unspecified contents. A leased block bound for ``ChunkPages``
+(a paged cache's pages) is copied, and checked, straight into them.
 """
 
 from __future__ import annotations
@@ -94,16 +96,24 @@ from kvstore.client.shm import SharedArena
 from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.store.chunk import KVChunk
+from kvstore.store.chunk import ChunkPages, KVChunk
+from kvstore.store.out_buffers import in_pages
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.frames import META_LENGTH, FrameDecoder, FrameLimits, meta_length, parse_meta
 
 Destinations = Sequence[np.ndarray] | None
+LeasedDestinations = Sequence[np.ndarray | ChunkPages] | None
 
-# A leased batch at least this large is copied by two threads (the hand-off
-# costs about as much as copying a few hundred KiB).
+# A leased batch is copied by two threads only where the copy is CPU-bound, its
+# blocks checksummed as they are copied (FULL), and the batch and its blocks are
+# large: the hand-off costs about as much as copying a few hundred KiB, and each
+# block takes the GIL to start and finish. On 2 cores (AMD EPYC), 64 MiB
+# checksummed as 32 2-MiB blocks: two threads 14.2 ms, one 15.3; as 256
+# 256-KiB blocks: two 56.6, one 35.4; a FAST copy (memory-bound) was slower on
+# two threads at either size (15.0 against 12.6 ms at 2 MiB).
 PARALLEL_COPY_BYTES = 4 << 20
+PARALLEL_BLOCK_BYTES = 1 << 20
 
 _TIERS = {kind.label: kind for kind in TierKind}
 
@@ -134,12 +144,12 @@ def chunk_of(
     namespace: Namespace,
     key: ChunkKey,
     tier: TierKind,
-    destination: np.ndarray | None,
+    destination: np.ndarray | ChunkPages | None,
     chunk_nbytes: int | None = None,
 ) -> KVChunk:
     """The chunk asked for, from a block whose checksum was verified (or raise
     ``CorruptBlock`` / ``LayoutMismatch``): its identity is checked and its
-    payload decoded, into ``destination`` if one is given. ``chunk_nbytes``:
+    payload decoded, into ``destination`` (a buffer, or pages) if one is given. ``chunk_nbytes``:
     the layout's, if the caller has it at hand (it is a product over the
     chunk's shape, a few microseconds a block)."""
     check_identity(header, namespace, key)
@@ -148,8 +158,12 @@ def chunk_of(
         chunk_nbytes = namespace.layout.chunk_nbytes
     if raw.nbytes != chunk_nbytes:
         raise CorruptBlock(f"block {key.hex()} holds {raw.nbytes} bytes, not one chunk")
+    chunk = KVChunk(key, tier, namespace.layout, raw)
+    if isinstance(destination, ChunkPages):
+        destination.fill(raw)
+        return in_pages(chunk, destination)
     if destination is None:
-        return KVChunk(key, tier, namespace.layout, raw)
+        return chunk
     np.copyto(destination, np.frombuffer(raw, dtype=np.uint8))
     return KVChunk(key, tier, namespace.layout, destination.data)
 
@@ -404,17 +418,18 @@ def copy_leased(
     namespace: Namespace,
     keys: Sequence[ChunkKey],
     entries: Sequence[LeasedBlock],
-    out: Destinations,
+    out: LeasedDestinations,
     buffers: BufferPool,
     helper: Executor | None = None,
     verify: Verify = Verify.FULL,
 ) -> Received:
     """Copy and check (``verify``) every leased block; note which ones to fetch inline.
 
-    With a ``helper`` and ``PARALLEL_COPY_BYTES`` or more to copy, the helper's
-    thread copies too. The two threads take blocks one at a time from one
-    iterator (``next`` on it is atomic under the GIL), not a fixed half each:
-    on a busy host the helper's thread may be descheduled for milliseconds,
+    With a ``helper``, blocks checksummed as they are copied and a large batch
+    of large blocks (``PARALLEL_COPY_BYTES``), the helper's thread copies too.
+    The two threads take blocks one at a time from one iterator (``next`` on
+    it is atomic under the GIL), not a fixed half each: on a busy host the
+    helper's thread may be descheduled for milliseconds,
     and then this thread copies the rest instead of waiting for it (a fixed
     half measured 0.62-0.79 of a single-thread memcpy for 2 MiB blocks on 2
     shared cores). Each block's Python work (its header, its chunk) runs on
@@ -455,7 +470,13 @@ def copy_leased(
         return corrupt
 
     total = sum(entries[index].length or 0 for index in leased)
-    if helper is None or len(leased) < 2 or total < PARALLEL_COPY_BYTES:
+    checksummed = verify is Verify.FULL or any(entries[i].generation is None for i in leased)
+    if (
+        helper is None
+        or not checksummed
+        or len(leased) < 2
+        or total < max(PARALLEL_COPY_BYTES, PARALLEL_BLOCK_BYTES * len(leased))
+    ):
         received.corrupt = copy_some()
         return received
     theirs = helper.submit(copy_some)
@@ -472,7 +493,7 @@ def _copy_one(
     entry: LeasedBlock,
     namespace: Namespace,
     key: ChunkKey,
-    destination: np.ndarray | None,
+    destination: np.ndarray | ChunkPages | None,
     buffers: BufferPool,
     verify: Verify,
     chunk_nbytes: int,
@@ -483,9 +504,9 @@ def _copy_one(
     checksummed after all (FAST).
 
     The header is copied aside and parsed once. A raw payload bound for a
-    caller's buffer is copied straight into it: one copy of the KV, as with
-    the embedded store's ``get(out=)``. Any other payload goes into a buffer
-    of the pool and is decoded from there.
+    caller's buffer or pages is copied straight into them: one copy of the KV,
+    as with the embedded store's ``get(out=)``. Any other payload goes into a
+    buffer of the pool and is decoded from there.
     """
     assert entry.offset is not None and entry.length is not None and entry.tier is not None
     fast = verify is Verify.FAST and entry.generation is not None
@@ -494,23 +515,40 @@ def _copy_one(
         header = parse_header(header_bytes)
         size = view.nbytes - HEADER_BYTES
         check_payload_size(header, size)
-        if destination is not None and header.codec is Codec.NONE and size == destination.size:
+        target: memoryview | tuple[np.ndarray, ...]
+        pages: ChunkPages | None = None
+        if destination is None or header.codec is not Codec.NONE:
+            target = buffers.take(size)
+        elif isinstance(destination, ChunkPages) and size == destination.nbytes:
+            target, pages, destination = destination.pages, destination, None
+        elif isinstance(destination, np.ndarray) and size == destination.size:
             target, destination = destination.data, None
         else:
             target = buffers.take(size)
         if not fast or entry.generation_at is None:
             header = copy_payload(header_bytes, view[HEADER_BYTES:], target)
         else:
-            _copy_range(view, target, 0, size)
+            _copy_range(view, target)
             if arena.generation(entry.generation_at) != entry.generation:
                 header = verify_parts(header_bytes, target)  # freed since the lease
+    if pages is not None:  # landed raw in pages: its identity and size are left to check
+        check_identity(header, namespace, key)
+        if header.raw_len != size:
+            raise CorruptBlock(f"block {key.hex()} holds {header.raw_len} bytes, not {size}")
+        return in_pages(KVChunk(key, entry.tier, namespace.layout, memoryview(b"")), pages)
+    assert isinstance(target, memoryview)
     return chunk_of(header, target, namespace, key, entry.tier, destination, chunk_nbytes)
 
 
-def _copy_range(source: memoryview, target: memoryview, start: int, end: int) -> None:
-    """Copy payload bytes ``[start, end)`` of the arena block ``source`` into ``target``
-    (its own frame, so the arrays exporting ``source`` are gone when it returns)."""
-    np.copyto(
-        np.frombuffer(target, dtype=np.uint8, count=end - start, offset=start),
-        np.frombuffer(source, dtype=np.uint8, count=end - start, offset=HEADER_BYTES + start),
-    )
+def _copy_range(source: memoryview, target: memoryview | tuple[np.ndarray, ...]) -> None:
+    """Copy the payload of the arena block ``source`` into ``target``, a buffer or
+    pages (its own frame, so the arrays exporting ``source`` are gone when it
+    returns)."""
+    payload = np.frombuffer(source, dtype=np.uint8, offset=HEADER_BYTES)
+    if not isinstance(target, tuple):
+        np.copyto(np.frombuffer(target, dtype=np.uint8), payload)
+        return
+    at = 0
+    for page in target:
+        np.copyto(page, payload[at : at + page.size])
+        at += page.size

@@ -6,7 +6,8 @@ lies in its device arena. ``LeasedCopier`` keeps the two mappings and copies the
 blocks out of them:
 
 * DRAM blocks through the mapped segment (``client.shm``), checked as ``Verify``
-  says, large batches on one helper thread (``blocks.copy_leased``);
+  says, large checksummed batches on a helper thread too (``blocks.copy_leased``),
+  straight into the caller's pages where it gave ``ChunkPages``;
 * HBM blocks device to device by CUDA IPC, proven by their generations
   (``client.device``). An arena that does not open here turns device memory off
   for good (``device_memory``), and its blocks come as bytes.
@@ -30,7 +31,7 @@ from kvstore.client.device import HBMArena, copy_device
 from kvstore.client.failures import answer_field, unavailable
 from kvstore.client.shm import SharedArena
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.store.out_buffers import OutBuffers, host_arrays
+from kvstore.store.out_buffers import OutBuffers
 from kvstore.tiers.arena_handle import ArenaHandle
 from kvstore.tiers.kinds import TierKind
 
@@ -88,7 +89,7 @@ class LeasedCopier:
             copied = [index for index, _ in on_device if index not in fallen]
             for index, _ in on_device:  # left to copy_leased: inline, or done already
                 entries[index] = LeasedBlock(None, None, None, inline=index in fallen)
-        out = host_arrays(buffers)
+        out = None if buffers is None else buffers.direct
         received = copy_leased(
             arena, namespace, keys, entries, out, self._buffers, self._copier, self.verify
         )

@@ -27,7 +27,7 @@ client. The namespace set, the shared-memory mapping and the back-off
 deadline are each replaced by single assignments, without a lock: the worst
 a race can do is register a namespace twice or map a segment twice, both
 harmless. The counters are updated under ``_lock``. Shared-memory copies of
-large batches use one helper thread (``blocks.copy_leased``), and blocks
+large checksummed batches use one helper thread (``blocks.copy_leased``), and blocks
 received as bytes through h11 are verified on another while the next ones
 arrive (``blocks.FramesSink``; a blocking transport, which both shells use
 for bytes gets when they have one, checksums them as they land,
@@ -74,7 +74,7 @@ from kvstore.errors import (
     UnknownNamespace,
 )
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, OutData, chunk_bytes
 from kvstore.store.out_buffers import OutBuffers, host_arrays
 from kvstore.store.stats import StoreStats
 from kvstore.throttled_log import ThrottledLog
@@ -237,7 +237,7 @@ class ClientProtocol:
         namespace: Namespace,
         keys: Sequence[ChunkKey],
         *,
-        out: Sequence[ChunkData] | None = None,
+        out: Sequence[OutData] | None = None,
     ) -> Operation[list[KVChunk | None]]:
         """The verified chunk for each key, or ``None``; with ``out``, payloads land in
         the caller's buffers (see ``TieredStore.get``)."""

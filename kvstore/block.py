@@ -275,20 +275,26 @@ def verify_block(
     return verify_parts(view[:HEADER_BYTES], view[HEADER_BYTES:], check_payload=check_payload)
 
 
+Pages = tuple[np.ndarray, ...]
+"""A payload laid out in several flat uint8 arrays, in order (``store.chunk.ChunkPages``)."""
+
+
 def verify_parts(
     header_bytes: memoryview | bytes | bytearray,
-    payload: memoryview | bytes | bytearray,
+    payload: memoryview | bytes | bytearray | Pages,
     *,
     check_payload: bool = True,
 ) -> BlockHeader:
     """``verify_block`` for a block whose header and payload were copied apart
-    (``Tier.get_many_into``); the checksum covers the same bytes."""
+    (``Tier.get_many_into``), the payload perhaps into pages; the checksum
+    covers the same bytes."""
     header = parse_header(header_bytes)
-    body = memoryview(payload).cast("B")
-    check_payload_size(header, body.nbytes)
+    pieces = _pieces(payload)
+    check_payload_size(header, sum(piece.size for piece in pieces))
     if check_payload:
         hasher = payload_hasher(header_bytes)
-        hasher.update(body)
+        for piece in pieces:
+            hasher.update(piece.data)
         _compare_checksum(hasher, memoryview(header_bytes), header.key)
     return header
 
@@ -309,14 +315,15 @@ COPY_VERIFY_STEP = 256 << 10
 def copy_payload(
     header_bytes: memoryview | bytes | bytearray,
     source: memoryview | bytes | bytearray,
-    destination: memoryview | bytearray,
+    destination: memoryview | bytearray | Pages,
     *,
     verify: bool = True,
 ) -> BlockHeader:
-    """Copy a payload from ``source`` into ``destination`` after checking the header's
-    structure and lengths; with ``verify``, ``verify_parts`` the copy in the same
-    pass: each step is checksummed right after it is copied, while it is still in
-    cache, so the payload is read from memory once, not twice.
+    """Copy a payload from ``source`` into ``destination`` (one buffer, or pages filled
+    in order) after checking the header's structure and lengths; with ``verify``,
+    ``verify_parts`` the copy in the same pass: each step is checksummed right
+    after it is copied, while it is still in cache, so the payload is read from
+    memory once, not twice.
 
     What is checksummed is the copy, never ``source``: a source that changes
     during the copy (shared memory) fails the check instead of being served.
@@ -327,14 +334,14 @@ def copy_payload(
     ``client.blocks``).
     """
     header = parse_header(header_bytes)
-    target = memoryview(destination).cast("B")
+    targets = _pieces(destination)
     check_payload_size(header, memoryview(source).nbytes)
-    check_payload_size(header, target.nbytes)
+    check_payload_size(header, sum(target.size for target in targets))
     if not verify:
-        _copy(source, target)
+        _copy(source, targets)
         return header
     hasher = payload_hasher(header_bytes)
-    _copy_hashing(source, target, hasher)
+    _copy_hashing(source, targets, hasher)
     _compare_checksum(hasher, memoryview(header_bytes), header.key)
     return header
 
@@ -396,23 +403,36 @@ def _fill_hashing(
     return header, hasher
 
 
-def _copy(source: memoryview | bytes | bytearray, target: memoryview) -> None:
+def _pieces(payload: memoryview | bytes | bytearray | Pages) -> Pages:
+    """A payload's bytes as flat uint8 arrays, in order: its pages, or the one buffer."""
+    if isinstance(payload, tuple):
+        return payload
+    return (np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8),)
+
+
+def _copy(source: memoryview | bytes | bytearray, targets: Pages) -> None:
     # Its own frame for the reason ``_copy_hashing`` gives.
-    np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+    copy_from = np.frombuffer(source, dtype=np.uint8)
+    at = 0
+    for copy_to in targets:
+        np.copyto(copy_to, copy_from[at : at + copy_to.size])
+        at += copy_to.size
 
 
 def _copy_hashing(
-    source: memoryview | bytes | bytearray, target: memoryview, hasher: xxhash.xxh3_64
+    source: memoryview | bytes | bytearray, targets: Pages, hasher: xxhash.xxh3_64
 ) -> None:
     # Its own frame, so the arrays exporting ``source`` are gone before a checksum
     # mismatch is raised: a traceback holding them would keep a shared-memory
     # view from being released.
     copy_from = np.frombuffer(source, dtype=np.uint8)
-    copy_to = np.frombuffer(target, dtype=np.uint8)
-    for start in range(0, copy_to.size, COPY_VERIFY_STEP):
-        end = start + COPY_VERIFY_STEP
-        np.copyto(copy_to[start:end], copy_from[start:end])
-        hasher.update(target[start:end])
+    at = 0
+    for copy_to in targets:
+        for start in range(0, copy_to.size, COPY_VERIFY_STEP):
+            step = copy_to[start : start + COPY_VERIFY_STEP]
+            np.copyto(step, copy_from[at + start : at + start + step.size])
+            hasher.update(step.data)
+        at += copy_to.size
 
 
 def _compare_checksum(hasher: xxhash.xxh3_64, header: memoryview, key: ChunkKey) -> None:

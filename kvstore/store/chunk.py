@@ -27,6 +27,50 @@ if TYPE_CHECKING:
 ChunkData: TypeAlias = "torch.Tensor | np.ndarray | bytes | bytearray | memoryview"
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkPages:
+    """A get's destination for one chunk whose bytes go to several places, in order.
+
+    A paged KV cache keeps a block's KV as one page per layer, each layer in an
+    array of its own (vLLM's per-layer views of its CPU cache): ``pages[i]``
+    takes the chunk's next ``pages[i].size`` bytes. A get into ``ChunkPages``
+    lands each payload straight in the pages where it can (a daemon's
+    shared-memory arena), instead of in a staging row that is then scattered
+    page by page: one copy of the KV, not two (``kvstore.store.out_buffers``).
+    Each page is a flat, writable, contiguous uint8 array in host memory.
+    """
+
+    pages: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(page.size for page in self.pages)
+
+    def check(self, layout: KVLayout) -> None:
+        """Refuse pages that are not flat writable uint8 arrays of one chunk in all."""
+        for page in self.pages:
+            if page.dtype != np.uint8 or page.ndim != 1 or not page.flags.c_contiguous:
+                raise LayoutMismatch("chunk pages must be flat contiguous uint8 arrays")
+            if not page.flags.writeable:
+                raise LayoutMismatch("chunk pages must be writable")
+        if self.nbytes != layout.chunk_nbytes:
+            raise LayoutMismatch(
+                f"chunk pages hold {self.nbytes} bytes, one chunk needs {layout.chunk_nbytes}"
+            )
+
+    def fill(self, payload: memoryview | np.ndarray) -> None:
+        """Copy one chunk's raw bytes into the pages."""
+        source = np.frombuffer(payload, dtype=np.uint8)
+        at = 0
+        for page in self.pages:
+            np.copyto(page, source[at : at + page.size])
+            at += page.size
+
+
+OutData: TypeAlias = "ChunkData | ChunkPages"
+"""What a get's ``out=`` takes for each key: a buffer or tensor of one chunk, or pages."""
+
+
 def chunk_bytes(data: ChunkData, layout: KVLayout) -> memoryview:
     """A flat byte view of one chunk, validated against ``layout`` (copies only off-CPU)."""
     if is_tensor(data):
@@ -68,7 +112,8 @@ class KVChunk:
     the whole verified stored block (header and payload) when the payload was
     stored raw, so a server can forward it as it is, checksum included.
     A chunk that a get put in an ``out=`` tensor on a device holds that tensor
-    (``out``) and an empty payload (``kvstore.store.out_buffers``).
+    (``out``) and an empty payload, as does one that landed in ``ChunkPages``
+    (``pages``) (``kvstore.store.out_buffers``).
     """
 
     key: ChunkKey
@@ -77,15 +122,20 @@ class KVChunk:
     payload: memoryview
     block: memoryview | None = None
     out: torch.Tensor | None = None  # the device tensor holding the payload, flat uint8
+    pages: ChunkPages | None = None  # the pages holding the payload
 
     def tensor(self) -> torch.Tensor:
         """The chunk as a tensor of the layout's shape and dtype: a view of the device
-        tensor it landed in, else on the CPU (no copy when possible)."""
+        tensor it landed in, a copy of the pages it landed in, else on the CPU (no
+        copy when possible)."""
         import torch
 
         dtype: Any = getattr(torch, self.layout.dtype)
         if self.out is not None:
             return self.out.view(dtype).reshape(self.layout.chunk_shape)
+        if self.pages is not None:
+            raw = torch.from_numpy(np.concatenate(self.pages.pages))
+            return raw.view(dtype).reshape(self.layout.chunk_shape)
         if self.payload.readonly:
             raw = torch.from_numpy(np.frombuffer(self.payload, dtype=np.uint8).copy())
         else:

@@ -12,6 +12,8 @@ for host buffers::
       numpy array, bytearray, view)                              is in place (one copy)
     a tensor on a CUDA device           a row of the get's own   each hit copied to its
                                         pinned staging           tensor (``deliver``)
+    ``ChunkPages`` (a paged cache's     a row of the get's own   each hit copied to its
+      pages, in host memory)              host staging             pages (``deliver``)
 
 A staged block reaches its tensor only after it was proven, so one that fails
 a check, or was missed, never does: that tensor keeps what it held (a host
@@ -19,11 +21,15 @@ buffer's content is unspecified after a miss, as it may hold the failed
 copy). The daemon's HBM blocks that the client copies device to device
 (``client.device``) are the exception that skips the staging: they go
 straight into the tensor and are proven by their extent's generation after
-the copy (``landed``).
+the copy (``landed``). So are the DRAM blocks a shared-memory client copies
+into ``ChunkPages`` (``direct``): each lands in its pages and is proven there,
+one copy where staging would take two; a block that fails a check there is a
+miss whose pages hold unspecified bytes, as a host buffer's do.
 
 A chunk that landed in a device tensor carries it (``KVChunk.out``;
 ``KVChunk.tensor()`` is it) and an empty payload: its bytes do not stay in
-host memory, the staging is dropped when the get returns. The device copy is
+host memory, the staging is dropped when the get returns. A chunk that landed
+in pages carries them (``KVChunk.pages``) and an empty payload. The device copy is
 ``copy_to_device``, the one function here that runs only with CUDA; the rest
 runs on CPU tensors too.
 """
@@ -33,13 +39,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvstore.errors import LayoutMismatch
 from kvstore.keys import ChunkKey, KVLayout
-from kvstore.store.chunk import ChunkData, KVChunk
+from kvstore.store.chunk import ChunkData, ChunkPages, KVChunk, OutData
 from kvstore.tensors import is_tensor
 from kvstore.tiers.kinds import TierKind
 
@@ -48,8 +54,8 @@ if TYPE_CHECKING:
 
 # Where an ``out=`` tensor may lie: host memory, or a device its payload is copied to.
 _DEVICE_TYPES = ("cpu", "cuda")
-# The payload of a chunk whose bytes are in a device tensor only.
-_ON_DEVICE = memoryview(b"")
+# The payload of a chunk whose bytes are only in a device tensor or in pages.
+_ELSEWHERE = memoryview(b"")
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,11 @@ class OutBuffers:
     tensors: list[torch.Tensor] | None
     # The positions whose ``host`` array is staging, and the device tensor of each.
     devices: dict[int, torch.Tensor]
+    # The positions whose ``host`` array is staging for pages, and their pages.
+    pages: dict[int, ChunkPages]
 
     @classmethod
-    def of(cls, out: Sequence[ChunkData], layout: KVLayout, count: int) -> OutBuffers:
+    def of(cls, out: Sequence[OutData], layout: KVLayout, count: int) -> OutBuffers:
         """The buffers for a get of ``count`` keys; raises ``LayoutMismatch`` for a
         count, size, dtype or device that does not fit, before any I/O."""
         if len(out) != count:
@@ -76,23 +84,38 @@ class OutBuffers:
             for i, target in enumerate(targets)
             if target is not None and target.device.type != "cpu"
         }
-        rows = iter(_staging(len(devices), layout.chunk_nbytes))
+        pages = {i: data for i, data in enumerate(out) if isinstance(data, ChunkPages)}
+        for data in pages.values():
+            data.check(layout)
+        device_rows = iter(_staging(len(devices), layout.chunk_nbytes))
+        page_rows = iter(np.empty((len(pages), layout.chunk_nbytes), dtype=np.uint8))
         host = [
-            next(rows) if i in devices else _host_bytes(data, target, layout)
+            next(device_rows)
+            if i in devices
+            else next(page_rows)
+            if i in pages
+            else _host_bytes(cast(ChunkData, data), target, layout)
             for i, (data, target) in enumerate(zip(out, targets, strict=True))
         ]
         tensors = [t for t in targets if t is not None]
-        return cls(host, tensors if len(tensors) == count else None, devices)
+        return cls(host, tensors if len(tensors) == count else None, devices, pages)
+
+    @property
+    def direct(self) -> list[np.ndarray | ChunkPages]:
+        """Where a copy that can write pages lands each payload: ``host``, but the pages
+        themselves where the caller gave pages (``client.blocks.copy_leased``)."""
+        return [self.pages.get(i, array) for i, array in enumerate(self.host)]
 
     def landed(self, index: int, key: ChunkKey, tier: TierKind, layout: KVLayout) -> KVChunk:
         """The chunk of a block copied straight into tensor ``index`` and proven there."""
         if index in self.devices:
-            return KVChunk(key, tier, layout, _ON_DEVICE, out=self.devices[index])
+            return KVChunk(key, tier, layout, _ELSEWHERE, out=self.devices[index])
         return KVChunk(key, tier, layout, self.host[index].data)
 
     def deliver(self, chunks: Sequence[KVChunk | None]) -> list[KVChunk | None]:
-        """Copy each verified staged payload into its device tensor (a miss is not
-        copied); the chunks, those in device tensors as the module docstring says."""
+        """Copy each verified staged payload into its device tensor or its pages (a
+        miss is not copied); the chunks, those in device tensors and pages as the
+        module docstring says."""
         pending = {
             index: chunk
             for index in sorted(self.devices)
@@ -103,9 +126,19 @@ class OutBuffers:
         delivered = list(chunks)
         for (index, chunk), target in zip(pending.items(), targets, strict=True):
             delivered[index] = dataclasses.replace(
-                chunk, payload=_ON_DEVICE, block=None, out=target
+                chunk, payload=_ELSEWHERE, block=None, out=target
             )
+        for index, pages in self.pages.items():
+            chunk = chunks[index]
+            if chunk is not None and chunk.pages is None:  # staged: fetched as bytes
+                pages.fill(self.host[index])
+                delivered[index] = in_pages(chunk, pages)
         return delivered
+
+
+def in_pages(chunk: KVChunk, pages: ChunkPages) -> KVChunk:
+    """``chunk``, its payload proven to be in ``pages``."""
+    return dataclasses.replace(chunk, payload=_ELSEWHERE, block=None, pages=pages)
 
 
 def host_arrays(buffers: OutBuffers | None) -> list[np.ndarray] | None:

@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from kvstore.block import Block
 from kvstore.errors import ConfigError, UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
-from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, chunk_bytes
+from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, OutData, chunk_bytes
 from kvstore.store.closing import Closing
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
@@ -176,18 +176,18 @@ class TieredStore(Closing):
         namespace: Namespace,
         keys: Sequence[ChunkKey],
         *,
-        out: Sequence[ChunkData] | None = None,
+        out: Sequence[OutData] | None = None,
     ) -> list[KVChunk | None]:
         """The verified chunk for each key, or ``None`` (a miss). Never raises for a
         tier that is down or a block that is corrupt: both are misses.
 
-        With ``out`` (one buffer per key, in host memory or on a CUDA device;
-        ``out_buffers.OutBuffers``) each payload is copied straight into the
-        caller's host buffer, or verified in host memory and then copied to
-        its device tensor, and the returned chunks are views of it: no
-        allocation for host buffers, one copy. The content of a host
-        ``out[i]`` is unspecified where ``None`` is returned; a device tensor
-        keeps what it held.
+        With ``out`` (one buffer per key, in host memory or on a CUDA device, or
+        ``ChunkPages``; ``out_buffers.OutBuffers``) each payload is copied
+        straight into the caller's host buffer, or verified in host memory and
+        then copied to its device tensor or pages, and the returned chunks are
+        views of it: no allocation for host buffers, one copy. The content of a
+        host ``out[i]`` is unspecified where ``None`` is returned; a device
+        tensor or pages keep what they held.
         """
         self.register(namespace)
         keys = list(keys)

@@ -49,7 +49,7 @@ from kvstore.client.transports import BodyStream
 from kvstore.codec import encode_payload
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey
-from kvstore.store.chunk import chunk_bytes
+from kvstore.store.chunk import ChunkPages, chunk_bytes
 from kvstore.tiers.dram import DRAMTier
 
 # -- received blocks -------------------------------------------------------------------
@@ -279,8 +279,22 @@ def arena() -> Iterator[SharedArena]:
         yield mapped
 
 
-@pytest.mark.parametrize("into_out", [False, True])
-def test_copy_leased_verifies_what_it_copied(arena: SharedArena, into_out: bool) -> None:
+INTO = ["a pool buffer", "out", "pages"]
+
+
+def destinations(out: list[torch.Tensor], into: str) -> list[np.ndarray | ChunkPages] | None:
+    """Where copies land: buffers of the pool, each tensor's bytes, or each tensor's
+    bytes as pages of unequal sizes (a paged cache's block)."""
+    if into == "a pool buffer":
+        return None
+    flat = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
+    if into == "out":
+        return list(flat)
+    return [ChunkPages((array[:100], array[100:1500], array[1500:])) for array in flat]
+
+
+@pytest.mark.parametrize("into", INTO)
+def test_copy_leased_verifies_what_it_copied(arena: SharedArena, into: str) -> None:
     size = len(BLOCKS[0])
     keys = [*KEYS, *chunk_keys(NS, kv.tokens(4, start=10_000))]
     entries = [
@@ -293,16 +307,17 @@ def test_copy_leased_verifies_what_it_copied(arena: SharedArena, into_out: bool)
         LeasedBlock(0, 100, TierKind.DRAM, inline=False),  # shorter than a header
     ]
     out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in keys]
-    destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
-    received = copy_leased(
-        arena, NS, keys, entries, destinations if into_out else None, BufferPool(1 << 20)
-    )
+    into_pages = destinations(out, into)
+    received = copy_leased(arena, NS, keys, entries, into_pages, BufferPool(1 << 20))
     assert [chunk is not None for chunk in received.chunks] == [True, False, True] + [False] * 4
     assert received.corrupt == 3 and received.inline == [4]
     for index in (0, 2):
         chunk = received.chunks[index]
         assert chunk is not None and payload_of(chunk) == expected(index)
-        assert torch.equal(out[index], CHUNKS[index]) is into_out
+        assert torch.equal(out[index], CHUNKS[index]) is (into != "a pool buffer")
+        if into == "pages":
+            assert into_pages is not None and chunk.pages is into_pages[index]
+            assert chunk.payload.nbytes == 0 and torch.equal(chunk.tensor(), CHUNKS[index])
     with pytest.raises(CorruptBlock):
         arena.block(-1, 10)
 
@@ -337,6 +352,7 @@ def test_a_large_lease_is_copied_by_two_threads(
     each verified, the corrupt ones missed; a helper busy with another call's copy is
     not waited for, and this thread copies everything."""
     monkeypatch.setattr(client_blocks, "PARALLEL_COPY_BYTES", 0)
+    monkeypatch.setattr(client_blocks, "PARALLEL_BLOCK_BYTES", 0)
     out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in FOUR_KEYS]
     destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
     copied_by: list[str] = []
@@ -396,9 +412,9 @@ def store_blocks(tier: DRAMTier, blocks: list[tuple[ChunkKey, bytes]]) -> None:
     tier.put_many(NS.digest, [(key, stored_block(block)) for key, block in blocks])
 
 
-@pytest.mark.parametrize("into_out", [False, True])
+@pytest.mark.parametrize("into", INTO)
 def test_fast_copies_are_not_checksummed_while_their_extent_is_unchanged(
-    dram: DRAMTier, into_out: bool
+    dram: DRAMTier, into: str
 ) -> None:
     """FAST trusts what the daemon verified on the way in for as long as the extent's
     generation says it was not freed: a bit flipped in place (memory rot, the scrub's
@@ -415,13 +431,12 @@ def test_fast_copies_are_not_checksummed_while_their_extent_is_unchanged(
             (Verify.FULL, [True] + [False] * 2),
         ):
             out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS]
-            destinations = [buffer.view(torch.uint8).reshape(-1).numpy() for buffer in out]
             received = copy_leased(
                 arena,
                 NS,
                 KEYS,
                 entries,
-                destinations if into_out else None,
+                destinations(out, into),
                 BufferPool(1 << 20),
                 verify=verify,
             )
@@ -429,26 +444,27 @@ def test_fast_copies_are_not_checksummed_while_their_extent_is_unchanged(
             assert received.corrupt == served.count(False)
             chunk = received.chunks[0]
             assert chunk is not None and payload_of(chunk) == expected(0)
-            assert torch.equal(out[0], CHUNKS[0]) is into_out
+            assert torch.equal(out[0], CHUNKS[0]) is (into != "a pool buffer")
     finally:
         arena.close()
 
 
 @pytest.mark.parametrize("into_out", [False, True])
-def test_fast_copies_are_shared_between_two_threads(
+def test_fast_copies_stay_on_the_calling_thread(
     dram: DRAMTier, monkeypatch: pytest.MonkeyPatch, into_out: bool
 ) -> None:
-    """FAST blocks are taken by either thread, every block copied exactly once and
-    whole, whichever thread copies which."""
+    """FAST copies are memory-bound: however large the batch, a helper is not asked
+    to share them, and every block is copied exactly once, whole."""
     monkeypatch.setattr(client_blocks, "PARALLEL_COPY_BYTES", 0)
+    monkeypatch.setattr(client_blocks, "PARALLEL_BLOCK_BYTES", 0)
     store_blocks(dram, [(KEYS[0], BLOCKS[0]), (KEYS[1], BLOCKS[1]), (KEYS[2], BLOCKS[2])])
     entries = [leased(dram, key) for key in KEYS]
-    copies: list[tuple[int, int]] = []
+    copies: list[tuple[str, int]] = []
     real_copy_range = client_blocks._copy_range
 
-    def copy_range(source: memoryview, target: memoryview, start: int, end: int) -> None:
-        copies.append((start, end))
-        real_copy_range(source, target, start, end)
+    def copy_range(source: memoryview, target: memoryview) -> None:
+        copies.append((threading.current_thread().name, memoryview(target).nbytes))
+        real_copy_range(source, target)
 
     monkeypatch.setattr(client_blocks, "_copy_range", copy_range)
     out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS]
@@ -472,11 +488,12 @@ def test_fast_copies_are_shared_between_two_threads(
     for index, chunk in enumerate(received.chunks):
         assert chunk is not None and payload_of(chunk) == expected(index)
         assert torch.equal(out[index], CHUNKS[index]) is into_out
-    assert copies == [(0, len(BLOCKS[0]) - HEADER_BYTES)] * 3
+    assert copies == [(threading.current_thread().name, len(BLOCKS[0]) - HEADER_BYTES)] * 3
 
 
+@pytest.mark.parametrize("into", ["a pool buffer", "pages"])
 def test_a_fast_copy_of_an_extent_freed_since_its_lease_is_checksummed(
-    dram: DRAMTier, monkeypatch: pytest.MonkeyPatch
+    dram: DRAMTier, monkeypatch: pytest.MonkeyPatch, into: str
 ) -> None:
     """The hazards FAST exists for: the extent freed and rewritten (a lease that
     expired, a delete that ignores pins) before or during the copy. Whatever the
@@ -490,23 +507,28 @@ def test_a_fast_copy_of_an_extent_freed_since_its_lease_is_checksummed(
     real_copy = client_blocks._copy_range
     rewritten: list[int] = []
 
-    def rewritten_during_the_copy(
-        source: memoryview, target: memoryview, start: int, end: int
-    ) -> None:
+    def rewritten_during_the_copy(source: memoryview, target: Any) -> None:
         # Block 1 is freed and rewritten, intact, while block 0's bytes are read.
         if not rewritten:
             dram.delete_many(NS.digest, [KEYS[1]])
             store_blocks(dram, [(KEYS[1], BLOCKS[1])])
-            rewritten.append(start)
-        real_copy(source, target, start, end)
+            rewritten.append(1)
+        real_copy(source, target)
 
     try:
         dram.delete_many(NS.digest, [KEYS[0]])  # freed, then the same extent reused
         store_blocks(dram, [(KEYS[0], torn)])
         assert leased(dram, KEYS[0]).offset == entries[0].offset
         monkeypatch.setattr(client_blocks, "_copy_range", rewritten_during_the_copy)
+        out = [torch.zeros(kv.LAYOUT.chunk_shape, dtype=torch.float16) for _ in KEYS[:2]]
         received = copy_leased(
-            arena, NS, KEYS[:2], entries, None, BufferPool(1 << 20), verify=Verify.FAST
+            arena,
+            NS,
+            KEYS[:2],
+            entries,
+            destinations(out, into),
+            BufferPool(1 << 20),
+            verify=Verify.FAST,
         )
         assert received.chunks[0] is None and received.corrupt == 1
         chunk = received.chunks[1]

@@ -32,6 +32,7 @@ from kvstore import (
 )
 from kvstore.client import ClientStats
 from kvstore.client.address import TOKEN_ENV
+from kvstore.store.chunk import ChunkPages
 from kvstore.store.stats import StoreStats
 
 DAEMON_TRANSPORTS = ("unix-bytes", "unix-shm", "tcp")
@@ -154,6 +155,30 @@ def test_get_into_out_buffers(flavour: str, target: Target, ns: Namespace) -> No
                 assert np.shares_memory(payload, buffer.view(torch.uint8).numpy())
             with pytest.raises(LayoutMismatch):
                 await store.get(ns, keys, out=out[:2])
+
+    asyncio.run(scenario())
+
+
+def test_get_into_pages(flavour: str, target: Target, ns: Namespace) -> None:
+    """Each chunk lands in its pages, over every transport (straight from shared memory,
+    through staging elsewhere); a miss leaves its pages as they were."""
+    tokens, chunks = kv.tokens(2), kv.chunks(2, seed=4)
+    missing = chunk_keys(ns, kv.tokens(1, start=91_000))
+    cache = torch.zeros((2, 3, kv.LAYOUT.chunk_nbytes // 2), dtype=torch.uint8)  # 2 layers
+
+    async def scenario() -> None:
+        async with opened(flavour, target.url, **target.options) as store:
+            await store.put(ns, tokens, chunks)
+            keys = chunk_keys(ns, tokens) + missing
+            rows = [layer.numpy() for layer in cache]  # a block is row b of every layer
+            pages = [ChunkPages((rows[0][block], rows[1][block])) for block in (2, 0, 1)]
+            got = await store.get(ns, keys, out=pages)
+            assert got[2] is None and not cache[:, 1].any()
+            for block, chunk, expected in zip((2, 0), got, chunks, strict=False):
+                assert chunk is not None and chunk.payload.nbytes == 0
+                assert torch.equal(chunk.tensor(), expected)
+                landed = cache[:, block].reshape(-1)
+                assert torch.equal(landed, expected.view(torch.uint8).reshape(-1))
 
     asyncio.run(scenario())
 

@@ -69,6 +69,9 @@ def feed_in_pieces(sink: FramesSink, body: bytes, size: int = 777) -> None:
 
 
 def payload_of(chunk: Any) -> bytes:
+    """A chunk's bytes, wherever they landed: its payload, or the pages it landed in."""
+    if chunk.pages is not None:
+        return b"".join(page.tobytes() for page in chunk.pages.pages)
     return bytes(chunk.payload)
 
 
