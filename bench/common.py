@@ -526,3 +526,19 @@ class ServerProcess:
         with contextlib.suppress(OSError):
             return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
         return ""
+
+
+def dram_daemon(root: Path, capacity: str, predictor: str) -> tuple[ServerProcess, Path]:
+    """A ``kvstore serve`` of one prefaulted DRAM tier of ``capacity`` on a Unix socket
+    under ``root``, its ``[predictor]`` table ``predictor`` (TOML lines); enter the
+    process to start it. Returns it and its socket's path."""
+    socket_path = root / "kvstore.sock"
+    config = root / "kvstore.toml"
+    config.write_text(
+        f'data_dir = "{root / "data"}"\n\n'
+        f'[tiers.dram]\ncapacity = "{capacity}"\nprefault = true\n\n'
+        f'[daemon]\nsocket_path = "{socket_path}"\nlog_level = "warning"\n\n'
+        f"[predictor]\n{predictor}\n"
+    )
+    argv = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
+    return ServerProcess("kvstore serve", argv, socket_path, root / "daemon.log"), socket_path

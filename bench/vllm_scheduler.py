@@ -54,9 +54,9 @@ import numpy as np
 from common import (
     CLIENT_TIMEOUT_S,
     DaemonStats,
-    ServerProcess,
     bench_arguments,
     bench_session,
+    dram_daemon,
     emit_json,
     format_table,
     log,
@@ -272,19 +272,6 @@ def wait_for_daemon(socket_path: Path, timeout_s: float = 120.0) -> None:
         stats.close()
 
 
-def start_daemon(root: Path) -> tuple[ServerProcess, Path]:
-    socket_path = root / "kvstore.sock"
-    config = root / "kvstore.toml"
-    config.write_text(
-        f'data_dir = "{root / "data"}"\n\n'
-        '[tiers.dram]\ncapacity = "1GiB"\nprefault = true\n\n'
-        f'[daemon]\nsocket_path = "{socket_path}"\nlog_level = "warning"\n\n'
-        "[predictor]\ntick_s = 1.0\n"
-    )
-    argv = [sys.executable, "-m", "kvstore", "serve", "--config", str(config)]
-    return ServerProcess("kvstore serve", argv, socket_path, root / "daemon.log"), socket_path
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = bench_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, help="sessions per case (default 6, quick 2)")
@@ -296,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng = random.Random(args.seed)
     with bench_session() as stack:
         root = stack.enter_context(temp_dir("kvs-scheduler-"))
-        process, socket_path = start_daemon(root)
+        process, socket_path = dram_daemon(root, "1GiB", predictor="tick_s = 1.0")
         stack.enter_context(process)
         wait_for_daemon(socket_path)
         store = kvstore.connect(f"unix://{socket_path}", timeout_s=CLIENT_TIMEOUT_S)

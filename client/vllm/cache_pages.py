@@ -11,16 +11,23 @@ order (``client.vllm.pages``), and it travels through host staging laid out
 Each is one indexed copy per layer. Staging for a cache on a CUDA device is
 pinned, so the copies run as DMA; they are queued on the caller's current
 stream (``client.vllm.saves`` gathers on a side stream of its own).
+
+A cache in host memory also gives its blocks' pages as a get's destinations
+(``destinations``: one ``ChunkPages`` a block), so a load from the daemon's
+shared-memory arena lands each page where it belongs with one copy, where
+staging and a scatter take two (measured by ``bench/vllm_loads.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.errors import ConfigError
+from kvstore.store.chunk import ChunkPages
 
 
 class CachePages:
@@ -40,10 +47,24 @@ class CachePages:
                 )
         self.pages = pages
         self._caches = caches
+        # Each layer's pages as rows of bytes, for a cache in host memory whose pages
+        # are each one run of bytes (every layout vLLM gives a connector on CPU).
+        in_place = self.device.type == "cpu" and all(cache[0].is_contiguous() for cache in caches)
+        self._rows = [_page_rows(cache) for cache in caches] if in_place else []
 
     @property
     def device(self) -> torch.device:
         return self._caches[0].device
+
+    @property
+    def loads_in_place(self) -> bool:
+        """Whether a get can land blocks in their pages (``destinations``)."""
+        return bool(self._rows)
+
+    def destinations(self, block_ids: Sequence[int]) -> list[ChunkPages]:
+        """The pages of ``block_ids``, as a get's ``out=`` (``loads_in_place``)."""
+        assert self._rows, "only a cache in host memory gives its pages"
+        return [ChunkPages(tuple(rows[block] for rows in self._rows)) for block in block_ids]
 
     def staging(self, blocks: int) -> torch.Tensor:
         """A host buffer of ``blocks`` rows, pinned when the cache is on a CUDA device."""
@@ -85,3 +106,11 @@ class CachePages:
         picked = picked.to(self.device, non_blocking=True)
         for layer, cache in enumerate(self._caches):
             cache.index_copy_(0, ids, picked[:, layer].reshape((count, *cache.shape[1:])))
+
+
+def _page_rows(cache: torch.Tensor) -> np.ndarray:
+    """One layer's cache, its pages contiguous, as a ``(blocks, page bytes)`` array of
+    its memory: each row a block's page, in place (blocks may lie any stride apart)."""
+    raw = cache.view(torch.uint8)
+    page_bytes = raw[0].numel()
+    return torch.as_strided(raw, (raw.shape[0], page_bytes), (raw.stride(0), 1)).numpy()

@@ -107,6 +107,28 @@ def test_saved_pages_load_back_bit_for_bit_into_other_blocks(store: KVClient) ->
     loader.close()
 
 
+def test_pages_that_are_not_one_run_of_bytes_load_through_staging(store: KVClient) -> None:
+    """vLLM-CPU's pages are each one run of bytes, so a load lands in them with one
+    copy; a cache whose pages are not (heads outermost, a layout some GPU backends
+    use) loads the same pages through staging and a scatter."""
+    source = caches(3)
+    heads_outermost = (PAGES.num_kv_heads, BLOCKS, PAGES.block_size, 2 * PAGES.head_size)
+    target = {
+        name: torch.zeros(heads_outermost).permute(1, 0, 2, 3) for name in PAGES.layer_names
+    }
+    saver, loader = worker(store, source), worker(store, target)
+    assert saver.cache.loads_in_place and not loader.cache.loads_in_place
+    hashes = chain("staged", 3)
+    saver.save([save("staged", hashes, 0, [5, 6, 7])])
+    assert until(lambda: sent(saver, {"staged"}), "saves out") == {"staged"}
+    loader.load([BlockTransfer("back", None, 0, tuple(hashes), (1, 0, 2))])
+    assert loader.take_failed_blocks() == set()
+    for name in PAGES.layer_names:
+        assert torch.equal(target[name][[1, 0, 2]], source[name][[5, 6, 7]])
+    saver.close()
+    loader.close()
+
+
 def test_an_asynchronous_load_is_named_done_with_the_blocks_that_failed(store: KVClient) -> None:
     source, target = caches(6), caches(7)
     saver, loader = worker(store, source), worker(store, target)
