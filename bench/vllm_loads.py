@@ -135,12 +135,12 @@ def prepare(
     blocks = max(1, (load_mib << 20) // pages.block_bytes)
     source, target = cache(pages, 2 * blocks, seed=1), cache(pages, 2 * blocks, seed=2)
     hashes = tuple(hashlib.sha256(f"{name}/{i}".encode()).digest() for i in range(blocks))
-    saver = WorkerSide(stores["fast"], pages, BATCH_BLOCKS)
+    saver = WorkerSide(stores["fast"], [pages], BATCH_BLOCKS)
     saver.register(source)
     stack.callback(saver.close)
     saver.save([BlockTransfer("save", None, 0, hashes, tuple(range(blocks)))])
     deadline = time.monotonic() + 120.0
-    while not saver.finished({"save"})[0]:
+    while not saver.finished({"save"}).saved:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{name}: the saves were not out in 120 s")
         time.sleep(0.01)
@@ -148,7 +148,7 @@ def prepare(
         raise RuntimeError(f"{name}: {saver.saves.counts.saved} of {blocks} blocks were saved")
     loaders = {}
     for verify, store in stores.items():
-        loader = WorkerSide(store, pages, BATCH_BLOCKS)
+        loader = WorkerSide(store, [pages], BATCH_BLOCKS)
         loader.register(target)
         stack.callback(loader.close)
         loaders[verify] = loader
@@ -166,7 +166,7 @@ def staged_load(shape: Shape, staging: torch.Tensor) -> None:
         chunks = shape.store.get(namespace, keys[start:stop], out=list(staging[: stop - start]))
         if any(chunk is None for chunk in chunks):
             raise AssertionError("a staged load missed")
-        loader.cache.scatter(staging, range(stop - start), transfer.block_ids[start:stop])
+        loader.caches[0].scatter(staging, range(stop - start), transfer.block_ids[start:stop])
 
 
 def in_place_load(shape: Shape, verify: str) -> None:
@@ -177,7 +177,7 @@ def in_place_load(shape: Shape, verify: str) -> None:
 
 
 def cases(shape: Shape) -> dict[str, Case]:
-    staging = shape.loaders["fast"].cache.staging(BATCH_BLOCKS)
+    staging = shape.loaders["fast"].caches[0].staging(BATCH_BLOCKS)
     source = np.ones(shape.load_bytes, dtype=np.uint8)
     target = np.empty_like(source)
     return {

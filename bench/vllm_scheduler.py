@@ -216,9 +216,9 @@ def run_session(
             waited += 1
             side.step(step_output(request.request_id, [], 0, 0))  # a step without it
             time.sleep(STEP_S)
-        blocks = list(range(prompt // size + 1))
+        blocks = list(range(1, prompt // size + 2))  # vLLM's block 0 is its null block
         start = time.perf_counter()
-        side.allocated(request, blocks, tokens)
+        side.allocated(request, [blocks], tokens)
         side.step(step_output(request.request_id, blocks, tokens, prompt - tokens))
         request.output_token_ids = [1] * OUTPUT_TOKENS
         request.num_tokens = prompt + OUTPUT_TOKENS
@@ -251,7 +251,12 @@ def sides(store: KVClient, cases: Sequence[Case]) -> Iterator[Running]:
         deadline = BLOCKING_WAIT_S if case.blocking else DEADLINE_S
         client = cast(KVClient, timed)
         side = SchedulerSide(
-            client, PAGES, PAGES.block_size, events, lookup_wait_s=wait, lookup_deadline_s=deadline
+            client,
+            [PAGES],
+            PAGES.block_size,
+            events,
+            lookup_wait_s=wait,
+            lookup_deadline_s=deadline,
         )
         yield Running(case, side, timed)
 

@@ -32,21 +32,25 @@ that share nothing but the metadata vLLM passes and the kvstore daemon:
 
 What travels in the metadata (``KVStoreConnectorMetadata``): two lists of
 ``BlockTransfer`` (request id, ``cache_salt``, the first moving block, vLLM's
-hashes of the moving blocks, the vLLM block ids they are in, and for a save
-the hash of the block before them), and whether a preemption freed blocks.
+hashes of the moving blocks, the vLLM block ids they are in, their KV cache
+group, and for a save the hash of the block before them), and whether blocks a
+gather may still read were freed (a preemption, a sliding window moving on).
 Workers derive keys from the hashes themselves, each in its own
 tensor-parallel namespace. The page format both sides assume is in
 ``client.vllm.pages``.
 
 Failure handling. A block that misses, fails verification or cannot be
-fetched (daemon down or slow) is never copied into vLLM's cache: its block id
-is reported through ``get_block_ids_with_load_errors``, vLLM rolls the request
-back to that block, discards the step's work for it and recomputes; set
+fetched (daemon down or slow) is reported through
+``get_block_ids_with_load_errors``, vLLM rolls the request back to that
+block, discards the step's work for it and recomputes; set
 ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``,
-fails the request instead). A request with a failed load saves nothing in
-that step. A lookup that fails or is late answers zero tokens; a save that
-fails is logged and dropped, and one the store is too slow to take is dropped
-and counted: the store is a cache, and the engine never stops for it.
+fails the request instead). A model of several KV cache groups loads
+asynchronously only, and a load that fails anywhere is reported as the
+request's (``failed_recving``): vLLM recomputes it whole. A request with a
+failed load saves nothing in that step. A lookup that fails or is late answers
+zero tokens; a save that fails is logged and dropped, and one the store is too
+slow to take is dropped and counted: the store is a cache, and the engine
+never stops for it.
 
 Session events. The scheduler side also tells the daemon when each request
 starts and finishes, with its chain, so the daemon's return-time predictor learns
@@ -55,16 +59,23 @@ is inferred, or named in ``kv_transfer_params``).
 
 Extra config keys: ``url`` (default ``$KVSTORE_URL``, else the daemon's
 default socket), ``timeout_s`` (per I/O phase, default 2), ``batch_blocks``
-(blocks per get/put, default 32), ``lookup_wait_ms`` (default 2),
+(blocks per put, or per get through staging, default 32), ``load_batch_blocks``
+(blocks per get of a load into a CPU cache's pages, default 256 MiB of them, at
+most 1,024: keep it within the daemon's ``max_batch_chunks``), ``lookup_wait_ms`` (default 2),
 ``lookup_deadline_ms`` (default 100), ``async_load_mib`` (the smallest load made
 off the step, default 256), ``save_pool_mib`` (host memory for saves on their
 way, default 256), ``session_events`` (default true), ``tool_call_end_token_ids``
 (default none: no request reports a running tool).
 
-Limits: one KV cache group, of full attention or MLA (no ``SupportsHMA``: vLLM
-turns its hybrid KV cache manager off for this connector); with tensor
-parallelism the scheduler asks rank 0's namespace and other ranks report what
-they lack as load errors; loads are whole-model, not layer-wise.
+Hybrid models (``SupportsHMA``): vLLM's hybrid KV cache manager stays on, and
+each KV cache group (full attention, sliding window, MLA) is stored in a
+namespace of its own, a sliding-window group only for the blocks in its window
+(``client.vllm.pages``, ``client.vllm.scheduler``). SSM state and other specs
+are refused when the connector starts.
+
+Limits: with tensor parallelism the scheduler asks rank 0's namespace and
+other ranks report what they lack as load errors; loads are whole-model, not
+layer-wise.
 """
 
 from __future__ import annotations
@@ -77,6 +88,8 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
     )
 except ImportError as error:  # the main test suite and plain installs have no vLLM
     raise ImportError(
@@ -90,7 +103,7 @@ from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S
-from kvstore.client.vllm.pages import BlockTransfer, PageFormat
+from kvstore.client.vllm.pages import BlockTransfer, PageFormat, lookup_group, page_formats
 from kvstore.client.vllm.saves import POOL_BYTES
 from kvstore.client.vllm.scheduler import SchedulerSide
 from kvstore.client.vllm.sessions import SessionEvents
@@ -147,10 +160,12 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
-    preempted: bool = False  # the scheduler freed a preempted request's blocks
+    # The scheduler may have freed blocks a gather still reads: a preempted request's,
+    # or a sliding window's that moved on.
+    freed: bool = False
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's ``KVConnectorBase_V1`` over a kvstore daemon; see the module docstring."""
 
     def __init__(
@@ -163,19 +178,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         transfer_config = self._kv_transfer_config
         url = engine_url(transfer_config.get_from_extra_config("url", None))
         timeout_s = float(transfer_config.get_from_extra_config("timeout_s", 2.0))
-        batch_blocks = int(transfer_config.get_from_extra_config("batch_blocks", 32))
+        batch_blocks = _count(transfer_config, "batch_blocks", 32)
         self._store: KVClient = connect(url, timeout_s=timeout_s)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            pages = PageFormat.from_vllm(vllm_config, kv_cache_config, tp_rank=0)
+            groups = page_formats(vllm_config, kv_cache_config, tp_rank=0)
             cache_config = vllm_config.cache_config
             hash_block_size = cache_config.hash_block_size or cache_config.block_size
-            events = _session_events(transfer_config, self._store, pages)
+            events = _session_events(transfer_config, self._store, groups[lookup_group(groups)])
             async_mib = _count(transfer_config, "async_load_mib", ASYNC_LOAD_BYTES >> 20, least=0)
             self._scheduler = SchedulerSide(
                 self._store,
-                pages,
+                groups,
                 int(hash_block_size),
                 events,
                 lookup_wait_s=_milliseconds(transfer_config, "lookup_wait_ms", WAIT_S),
@@ -185,11 +200,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            pages = PageFormat.from_vllm(
+            groups = page_formats(
                 vllm_config, kv_cache_config, tp_rank=get_tensor_model_parallel_rank()
             )
             pool_mib = _count(transfer_config, "save_pool_mib", POOL_BYTES >> 20)
-            self._worker = WorkerSide(self._store, pages, batch_blocks, pool_mib << 20)
+            load_batch = transfer_config.get_from_extra_config("load_batch_blocks", None)
+            self._worker = WorkerSide(
+                self._store,
+                groups,
+                batch_blocks,
+                pool_mib << 20,
+                None if load_batch is None else _count(transfer_config, "load_batch_blocks", 1),
+            )
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -231,7 +253,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Freed blocks may be reused by this step: gathers still reading them finish first."""
         assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
-        if kv_connector_metadata.preempted:
+        if kv_connector_metadata.freed:
             self.worker_side.saves.settle()
 
     def wait_for_save(self) -> None:
@@ -240,9 +262,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(metadata, KVStoreConnectorMetadata)
         self.worker_side.save(metadata.saves)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The finished requests whose saves are out, the requests whose asynchronous
+        loads are done, and those of them whose load failed (a model of several KV
+        cache groups: vLLM recomputes them whole)."""
+        transfers = self.worker_side.finished(finished_req_ids)
+        return KVConnectorTransferResults(transfers.saved, transfers.loaded, transfers.failed)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        saved, loaded = self.worker_side.finished(finished_req_ids)
-        return saved or None, loaded or None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks()
@@ -270,18 +299,25 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = blocks.get_block_ids()[0]
-        self.scheduler_side.allocated(request, list(block_ids), num_external_tokens)
+        self.scheduler_side.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        loads, saves = self.scheduler_side.step(scheduler_output)
-        preempted = bool(scheduler_output.preempted_req_ids)
-        return KVStoreConnectorMetadata(loads=loads, saves=saves, preempted=preempted)
+        scheduler = self.scheduler_side
+        loads, saves = scheduler.step(scheduler_output)
+        freed = bool(scheduler_output.preempted_req_ids) or scheduler.frees_blocks_while_running
+        return KVStoreConnectorMetadata(loads=loads, saves=saves, freed=freed)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request with saves planned until the workers put them."""
+        return self.scheduler_side.finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` for vLLM's hybrid KV cache manager: every group's blocks
+        are held alike."""
         return self.scheduler_side.finished(request), None
 
     @property

@@ -10,8 +10,10 @@ vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` and keeps stepping::
     worker:    start_load_kv ─► submit(transfer) ─► load thread: get the blocks, place
                                                     them in the request's pages (CUDA:
                                                     on a stream of its own, waited for)
-    worker:    get_finished ─► finished(): requests whose loads are done, and the
-               blocks that failed among them (get_block_ids_with_load_errors, same pass)
+    worker:    get_finished ─► finished(): requests whose loads are done, the blocks
+               that failed among them (get_block_ids_with_load_errors, same pass) and
+               the requests they failed (failed_recving, for a model of several KV
+               cache groups, whose block ids vLLM cannot map back)
     scheduler: the request runs from the blocks that arrived; vLLM recomputes from
                the first that failed
 
@@ -32,7 +34,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,39 +50,49 @@ CLOSE_WAIT_S = 5.0
 """How long ``close`` waits for a load on its way."""
 
 
+@dataclass
+class Finished:
+    """What the load thread finished since it was last asked."""
+
+    requests: set[str] = field(default_factory=set)  # every transfer of theirs is done
+    failed_blocks: set[int] = field(default_factory=set)
+    failed_requests: set[str] = field(default_factory=set)  # with a failed block
+
+
 class AsyncLoads:
     """The worker's asynchronous loads; see the module docstring.
 
-    ``load(transfer, staging)`` brings one transfer's blocks into vLLM's cache
-    through ``staging`` and returns the vLLM block ids that failed.
+    ``load(transfer)`` brings one transfer's blocks into vLLM's cache and
+    returns the vLLM block ids that failed. A request with several transfers
+    (one a KV cache group) is done when its last one is.
     """
 
     def __init__(
-        self,
-        load: Callable[[BlockTransfer, torch.Tensor], list[int]],
-        staging: torch.Tensor,
-        device: torch.device,
+        self, load: Callable[[BlockTransfer], list[int]], device: torch.device
     ) -> None:
         self._load = load
-        self._staging = staging
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._work: queue.SimpleQueue[BlockTransfer | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _done and _failed
-        self._done: set[str] = set()
-        self._failed: set[int] = set()
+        self._lock = threading.Lock()  # guards _pending and _finished
+        self._pending: Counter[str] = Counter()  # req id -> transfers submitted, not done
+        self._finished = Finished()
         self._thread = threading.Thread(target=self._load_all, name="kvstore-load", daemon=True)
         self._thread.start()
 
-    def submit(self, transfer: BlockTransfer) -> None:
-        self._work.put(transfer)
-
-    def finished(self) -> tuple[set[str], set[int]]:
-        """The requests whose loads are done since the last call, and the vLLM block ids
-        that failed among them (to report in the same pass)."""
+    def submit(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Queue a step's transfers, every one counted before the first can finish (a
+        request's transfers all come in one step)."""
         with self._lock:
-            done, self._done = self._done, set()
-            failed, self._failed = self._failed, set()
-        return done, failed
+            self._pending.update(transfer.req_id for transfer in transfers)
+        for transfer in transfers:
+            self._work.put(transfer)
+
+    def finished(self) -> Finished:
+        """What finished since the last call: its failed blocks are reported in the same
+        pass as the requests they belong to."""
+        with self._lock:
+            finished, self._finished = self._finished, Finished()
+        return finished
 
     def _load_all(self) -> None:
         while (transfer := self._work.get()) is not None:
@@ -87,15 +101,21 @@ class AsyncLoads:
             except Exception:  # a load thread must name every load done, whatever happened
                 log.exception("kvstore asynchronous load of request %s failed", transfer.req_id)
                 failed = list(transfer.block_ids)
+            req_id = transfer.req_id
             with self._lock:
-                self._failed.update(failed)
-                self._done.add(transfer.req_id)
+                self._finished.failed_blocks.update(failed)
+                if failed:
+                    self._finished.failed_requests.add(req_id)
+                self._pending[req_id] -= 1
+                if not self._pending[req_id]:
+                    del self._pending[req_id]
+                    self._finished.requests.add(req_id)
 
     def _load_one(self, transfer: BlockTransfer) -> list[int]:
         if self._stream is None:
-            return self._load(transfer, self._staging)
+            return self._load(transfer)
         with torch.cuda.stream(self._stream):
-            failed = self._load(transfer, self._staging)
+            failed = self._load(transfer)
         self._stream.synchronize()
         return failed
 

@@ -19,12 +19,21 @@ tests share one definition of how a vLLM KV block becomes a kvstore chunk:
   ``cache_salt``.
 * ``BlockTransfer`` is what travels from the scheduler to the workers in the
   connector metadata: which blocks of which request move, by hash and by
-  vLLM block id.
+  vLLM block id, in which KV cache group.
+
+A model whose layers vLLM's hybrid KV cache manager splits into several KV
+cache groups (full attention and sliding-window layers: ``page_formats``) is
+stored as one ``PageFormat`` a group: a block's chunk is the block's page of
+that group's layers, in a namespace that names the group (its first layer),
+so two groups of the same shape never share keys. A sliding-window group
+holds pages only for the blocks in its window; the others are vLLM's null
+block (``NULL_BLOCK_ID``), which is neither loaded nor saved.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +43,10 @@ from kvstore.errors import ConfigError
 from kvstore.keys import DTYPE_SIZES, ChunkKey, HashAlgo, KVLayout, Namespace, external_keys
 
 PAGE_LAYOUT = "vllm-page"
+NULL_BLOCK_ID = 0
+"""vLLM's null block (``BlockPool.null_block``, the first block of its pool): where a
+sliding-window group's blocks outside the window point. It holds no KV."""
+_STORED_SPECS = ("FullAttentionSpec", "AttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +55,12 @@ class BlockTransfer:
 
     ``hashes[i]`` is vLLM's hash of block ``first + i``, ``block_ids[i]`` the vLLM
     block that holds it. ``parent`` is the hash of block ``first - 1`` (``None``
-    for block 0 and for loads): a put names it ahead of its batch, so the store
-    links the batch to the prefix it extends. Only the moving blocks' hashes
+    for block 0; a load ignores it): a put names it ahead of its batch, so the
+    store links the batch to the prefix it extends. Only the moving blocks' hashes
     travel: a request deep in a long context saves a block every few steps, and
     its whole chain would be thousands of hashes in every step's metadata.
     ``asynchronous``: a load made off the step (``client.vllm.loads``).
+    ``group``: the KV cache group whose pages move (``page_formats``).
     """
 
     req_id: str
@@ -56,6 +70,7 @@ class BlockTransfer:
     block_ids: tuple[int, ...]
     parent: bytes | None = None
     asynchronous: bool = False
+    group: int = 0
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.hashes) or self.first < 0:
@@ -82,6 +97,10 @@ class PageFormat:
     tp_rank: int = 0
     tp_size: int = 1
     head_size_v: int | None = None  # None: V's head size is K's; 0: MLA's latent, no V
+    # Of a model with several KV cache groups: the group's first layer, which its
+    # namespace names (None: the model's only group).
+    group_layer: str | None = None
+    sliding_window: int | None = None  # tokens a sliding-window group attends to
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -103,52 +122,6 @@ class PageFormat:
     def state_size(self) -> int:
         """Elements a token keeps per head: K's and V's head sizes together."""
         return self.head_size + self.v_size
-
-    @classmethod
-    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> PageFormat:
-        """The format of ``kv_cache_config``'s one attention group; refuses the rest.
-
-        Full attention and MLA (``MLAAttentionSpec``: one latent a token) are
-        stored; several KV cache groups (vLLM's hybrid KV cache manager, which
-        vLLM turns off for a connector without ``SupportsHMA``), other specs
-        and padded pages are refused with a ``ConfigError`` rather than stored
-        in a shape the other side could misread.
-        """
-        groups = list(kv_cache_config.kv_cache_groups)
-        if len(groups) != 1:
-            raise ConfigError(
-                f"the kvstore vLLM connector supports one KV cache group, this model has "
-                f"{len(groups)} (hybrid attention); run without it"
-            )
-        spec = groups[0].kv_cache_spec
-        for attribute in ("num_kv_heads", "head_size", "dtype"):
-            if not hasattr(spec, attribute):
-                raise ConfigError(f"unsupported KV cache spec {type(spec).__name__}")
-        kind = type(spec).__name__
-        if kind not in ("FullAttentionSpec", "AttentionSpec", "MLAAttentionSpec"):
-            raise ConfigError(
-                f"the kvstore vLLM connector stores full-attention and MLA pages, not {kind}"
-            )
-        head_size_v = getattr(spec, "head_size_v", None)
-        dtype = str(spec.dtype).removeprefix("torch.")
-        model_config = vllm_config.model_config
-        pages = cls(
-            model=f"{model_config.model}@{model_config.revision or 'main'}",
-            layer_names=tuple(groups[0].layer_names),
-            num_kv_heads=int(spec.num_kv_heads),
-            head_size=int(spec.head_size),
-            dtype=dtype,
-            block_size=int(spec.block_size),
-            tp_rank=tp_rank,
-            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-            head_size_v=None if head_size_v is None else int(head_size_v),
-        )
-        if int(spec.page_size_bytes) != pages.page_bytes:
-            raise ConfigError(
-                f"vLLM pages of {spec.page_size_bytes} bytes are padded or packed; the "
-                f"connector stores plain pages of {pages.page_bytes} bytes"
-            )
-        return pages
 
     @property
     def num_layers(self) -> int:
@@ -197,8 +170,9 @@ class PageFormat:
         SHA-256 places vLLM's hashes inside it: they are SHA-256 themselves by
         default, and wrapping them in a weaker hash would undo that.
         """
+        group = "" if self.group_layer is None else f":{self.group_layer}"
         return Namespace(
-            f"vllm:{self.model}:tp{self.tp_rank}/{self.tp_size}",
+            f"vllm:{self.model}:tp{self.tp_rank}/{self.tp_size}{group}",
             self.layout,
             tenant_salt=salt,
             hash_algo=HashAlgo.SHA256,
@@ -206,3 +180,60 @@ class PageFormat:
 
     def keys(self, salt: str | None, hashes: tuple[bytes, ...] | list[bytes]) -> list[ChunkKey]:
         return external_keys(self.namespace(salt), list(hashes))
+
+
+def page_formats(vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> tuple[PageFormat, ...]:
+    """The format of each of ``kv_cache_config``'s KV cache groups, in vLLM's group order.
+
+    Full attention, MLA (``MLAAttentionSpec``: one latent a token) and sliding
+    windows are stored. Other specs (SSM state, chunked local attention, cross
+    attention), groups of different block sizes and padded pages are refused
+    with a ``ConfigError`` naming them, rather than stored in a shape the other
+    side could misread.
+    """
+    groups = list(kv_cache_config.kv_cache_groups)
+    model_config = vllm_config.model_config
+    formats = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind not in _STORED_SPECS or not all(
+            hasattr(spec, attribute) for attribute in ("num_kv_heads", "head_size", "dtype")
+        ):
+            raise ConfigError(
+                f"the kvstore vLLM connector stores full-attention, sliding-window and MLA "
+                f"pages, not {kind} (layers {list(group.layer_names)})"
+            )
+        head_size_v = getattr(spec, "head_size_v", None)
+        window = getattr(spec, "sliding_window", None) if kind == "SlidingWindowSpec" else None
+        pages = PageFormat(
+            model=f"{model_config.model}@{model_config.revision or 'main'}",
+            layer_names=tuple(group.layer_names),
+            num_kv_heads=int(spec.num_kv_heads),
+            head_size=int(spec.head_size),
+            dtype=str(spec.dtype).removeprefix("torch."),
+            block_size=int(spec.block_size),
+            tp_rank=tp_rank,
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            head_size_v=None if head_size_v is None else int(head_size_v),
+            group_layer=group.layer_names[0] if len(groups) > 1 else None,
+            sliding_window=None if window is None else int(window),
+        )
+        if int(spec.page_size_bytes) != pages.page_bytes:
+            raise ConfigError(
+                f"vLLM pages of {spec.page_size_bytes} bytes are padded or packed; the "
+                f"connector stores plain pages of {pages.page_bytes} bytes"
+            )
+        formats.append(pages)
+    if len({pages.block_size for pages in formats}) != 1:
+        raise ConfigError(
+            "the kvstore vLLM connector needs one block size for every KV cache group, not "
+            f"{[pages.block_size for pages in formats]}"
+        )
+    return tuple(formats)
+
+
+def lookup_group(formats: Sequence[PageFormat]) -> int:
+    """The group whose chain a lookup asks for: the first of full attention (every block
+    of a prefix is in its pages), else the first."""
+    return next((i for i, pages in enumerate(formats) if pages.sliding_window is None), 0)

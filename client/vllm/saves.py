@@ -42,6 +42,7 @@ import logging
 import queue
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,6 +84,7 @@ class _Batch:
     parents: int  # leading keys named without a payload: 0 or 1
     staging: torch.Tensor
     count: int
+    free: queue.SimpleQueue[torch.Tensor]  # the pool its staging goes back to
     ready: torch.cuda.Event | None = field(default=None)
 
 
@@ -92,23 +94,28 @@ class Saves:
     def __init__(
         self,
         store: KVClient,
-        cache: CachePages,
-        keys: BlockKeys,
+        caches: Sequence[CachePages],
+        keys: Sequence[BlockKeys],
         batch_blocks: int,
         pool_bytes: int = POOL_BYTES,
     ) -> None:
+        """``caches[g]`` and ``keys[g]``: KV cache group ``g``'s pages and keys; each
+        group has an equal share of the pool."""
         if batch_blocks <= 0 or pool_bytes <= 0:
             raise ConfigError("a save's batch and pool must be positive")
         self._store = store
-        self._cache = cache
-        self._keys = keys
+        self._caches = list(caches)
+        self._keys = list(keys)
         self._batch_blocks = batch_blocks
-        pages = cache.pages
-        buffer_bytes = batch_blocks * pages.block_bytes
-        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        for _ in range(max(MIN_BUFFERS, pool_bytes // buffer_bytes)):
-            self._free.put(cache.staging(batch_blocks))
-        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        self._free: list[queue.SimpleQueue[torch.Tensor]] = []
+        for cache in caches:
+            free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+            share = pool_bytes // len(caches) // (batch_blocks * cache.pages.block_bytes)
+            for _ in range(max(MIN_BUFFERS, share)):
+                free.put(cache.staging(batch_blocks))
+            self._free.append(free)
+        device = caches[0].device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._work: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _pending and counts
         self._pending: Counter[str] = Counter()  # req id -> batches queued, not yet put
@@ -131,13 +138,14 @@ class Saves:
         if req_id in self._broken:
             self._drop(len(transfer.block_ids))
             return
+        cache, free = self._caches[transfer.group], self._free[transfer.group]
         parents = [] if transfer.parent is None else [transfer.parent]
-        keys = self._keys.keys(transfer.salt, [*parents, *transfer.hashes])
-        namespace = self._cache.pages.namespace(transfer.salt)
+        keys = self._keys[transfer.group].keys(transfer.salt, [*parents, *transfer.hashes])
+        namespace = cache.pages.namespace(transfer.salt)
         for start in range(0, len(transfer.block_ids), self._batch_blocks):
             block_ids = transfer.block_ids[start : start + self._batch_blocks]
             try:
-                staging = self._free.get_nowait()
+                staging = free.get_nowait()
             except queue.Empty:
                 self._broken.add(req_id)
                 self._drop(len(transfer.block_ids) - start)
@@ -151,20 +159,24 @@ class Saves:
             first = len(parents) + start
             named = 1 if first else 0
             batch_keys = keys[first - named : first + len(block_ids)]
-            ready = self._gather(block_ids, staging)
+            ready = self._gather(cache, block_ids, staging)
             with self._lock:
                 self._pending[req_id] += 1
             self._work.put(
-                _Batch(req_id, namespace, batch_keys, named, staging, len(block_ids), ready)
+                _Batch(
+                    req_id, namespace, batch_keys, named, staging, len(block_ids), free, ready
+                )
             )
 
-    def _gather(self, block_ids: tuple[int, ...], staging: torch.Tensor) -> torch.cuda.Event | None:
+    def _gather(
+        self, cache: CachePages, block_ids: tuple[int, ...], staging: torch.Tensor
+    ) -> torch.cuda.Event | None:
         if self._stream is None:
-            self._cache.gather(block_ids, staging)
+            cache.gather(block_ids, staging)
             return None
-        self._stream.wait_stream(torch.cuda.current_stream(self._cache.device))
+        self._stream.wait_stream(torch.cuda.current_stream(cache.device))
         with torch.cuda.stream(self._stream):
-            self._cache.gather(block_ids, staging)
+            cache.gather(block_ids, staging)
         ready = torch.cuda.Event()
         ready.record(self._stream)
         return ready
@@ -173,7 +185,7 @@ class Saves:
         """Before a step that may reuse freed blocks: the compute stream waits for the
         gathers still reading them (CUDA only; on CPU every gather is done)."""
         if self._stream is not None:
-            torch.cuda.current_stream(self._cache.device).wait_stream(self._stream)
+            torch.cuda.current_stream(self._caches[0].device).wait_stream(self._stream)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Of the requests vLLM held for their saves, those now out (to name once)."""
@@ -207,7 +219,7 @@ class Saves:
             except Exception:  # the put thread must count every batch down, whatever happened
                 log.exception("kvstore save of request %s failed", batch.req_id)
             finally:
-                self._free.put(batch.staging)
+                batch.free.put(batch.staging)
                 with self._lock:
                     self._pending[batch.req_id] -= 1
                     if saved:

@@ -17,6 +17,16 @@ token's KV computed, the block's hash known) above the watermark. When vLLM
 rolls a request back (a failed load, a preemption), the step after starts
 below the watermark and the watermark follows it down, so recomputed blocks
 are saved again.
+
+A model with several KV cache groups (vLLM's hybrid KV cache manager:
+full-attention and sliding-window layers, ``client.vllm.pages``) moves each
+group's pages in a transfer of its own. The lookup asks for one
+full-attention group's chain: every group's pages of a block are saved in the
+same step, so the others hold the same run. A sliding-window group moves only
+the blocks vLLM gave it pages for (the window), never its null block. vLLM
+takes no block-level load error from such a model, so its every load is
+asynchronous, and one that fails anywhere fails the request as a whole
+(``client.vllm.loads``): vLLM recomputes it.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from kvstore.client.connect import KVClient
 from kvstore.client.vllm.block_keys import BlockKeys
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S, Lookups
-from kvstore.client.vllm.pages import BlockTransfer, PageFormat
+from kvstore.client.vllm.pages import NULL_BLOCK_ID, BlockTransfer, PageFormat, lookup_group
 from kvstore.client.vllm.sessions import SessionEvents
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
@@ -43,7 +53,7 @@ class _Tracked:
     """A request the scheduler side follows from allocation to its end."""
 
     request: Any  # vllm.v1.request.Request (this process's own object)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: int = 0  # watermark: blocks below it need no save
     saving: bool = False  # a save was planned: vLLM holds its blocks until the worker is done
 
@@ -62,7 +72,7 @@ class SchedulerSide:
     def __init__(
         self,
         store: KVClient,
-        pages: PageFormat,
+        groups: Sequence[PageFormat],
         hash_block_size: int,
         events: SessionEvents | None = None,
         *,
@@ -70,20 +80,26 @@ class SchedulerSide:
         lookup_deadline_s: float = DEADLINE_S,
         async_load_bytes: int = ASYNC_LOAD_BYTES,
     ) -> None:
+        pages = groups[lookup_group(groups)]
         if hash_block_size <= 0 or pages.block_size % hash_block_size:
             raise KVStoreError(
                 f"vLLM's block size {pages.block_size} is not a multiple of its hash block "
                 f"size {hash_block_size}"
             )
         self._store = store
-        self._pages = pages
+        self._groups = tuple(groups)
+        self._pages = pages  # the group lookups ask for
         self._hashes_per_block = pages.block_size // hash_block_size
         self._block_keys = BlockKeys(pages)
         self.lookups = Lookups(self._cached_blocks, lookup_wait_s, lookup_deadline_s)
         self._answers: dict[str, _Answer] = {}  # req id -> what the last ask answered
-        # The fewest blocks loaded asynchronously: async_load_bytes of KV, rounded up.
-        self._async_load_blocks = max(1, -(-async_load_bytes // pages.block_bytes))
-        self._loads: dict[str, BlockTransfer] = {}  # planned, not yet in a step's metadata
+        # The fewest blocks loaded asynchronously: async_load_bytes of KV, rounded up;
+        # with several groups, every load (vLLM takes no block-level load error then).
+        block_bytes = sum(group.block_bytes for group in groups)
+        self._async_load_blocks = (
+            1 if len(groups) > 1 else max(1, -(-async_load_bytes // block_bytes))
+        )
+        self._loads: dict[str, list[BlockTransfer]] = {}  # planned, not yet in a step's metadata
         self._loading: set[str] = set()  # asynchronous loads on their way
         self._tracked: dict[str, _Tracked] = {}
         self._events = events
@@ -149,11 +165,20 @@ class SchedulerSide:
         answer.asynchronous = blocks >= self._async_load_blocks
         return blocks * size, answer.asynchronous
 
-    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated ``block_ids`` (all of the request's blocks); plan the load."""
+    @property
+    def frees_blocks_while_running(self) -> bool:
+        """Whether vLLM frees a running request's blocks (a sliding window moving on), so
+        that a step may reuse blocks a previous step's gather still reads."""
+        return any(group.sliding_window is not None for group in self._groups)
+
+    def allocated(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks, per KV cache group);
+        plan the load."""
         req_id = request.request_id
         self.lookups.forget(req_id)
-        self._tracked[req_id] = _Tracked(request, list(block_ids))
+        self._tracked[req_id] = _Tracked(request, [list(ids) for ids in block_ids])
         self._loads.pop(req_id, None)
         answer = self._answers.get(req_id, _Answer(0))
         local = answer.local_tokens
@@ -169,25 +194,54 @@ class SchedulerSide:
         first = local // size
         end = first + num_external_tokens // size
         hashed = self._hashed(request)
-        if end > hashed or end > len(block_ids) or num_external_tokens % size:
+        allocated = min(len(ids) for ids in block_ids)
+        if end > hashed or end > allocated or num_external_tokens % size:
             raise KVStoreError(
                 f"vLLM asked to load {num_external_tokens} tokens of request {req_id} from "
-                f"block {first}, past its {hashed} hashed and {len(block_ids)} allocated blocks"
+                f"block {first}, past its {hashed} hashed and {allocated} allocated blocks"
             )
         hashes = self.block_hashes(request, first, end)
-        self._loads[req_id] = BlockTransfer(
-            req_id,
+        planned = (
+            self._transfer(request, group, first, hashes, ids[first:end], None, answer.asynchronous)
+            for group, ids in enumerate(block_ids)
+        )
+        self._loads[req_id] = [transfer for transfer in planned if transfer is not None]
+
+    def _transfer(
+        self,
+        request: Any,
+        group: int,
+        first: int,
+        hashes: list[bytes],
+        block_ids: Sequence[int],
+        parent: bytes | None,
+        asynchronous: bool = False,
+    ) -> BlockTransfer | None:
+        """Blocks ``first ..`` of ``request`` in ``group``'s pages ``block_ids``, from the
+        first after vLLM's null block (a sliding window's blocks before it have no
+        pages); ``None`` if none has. ``parent``: the hash of block ``first - 1``."""
+        skip = len(block_ids)
+        while skip and block_ids[skip - 1] != NULL_BLOCK_ID:
+            skip -= 1
+        if skip == len(block_ids):
+            return None
+        if skip:
+            parent = hashes[skip - 1]
+        return BlockTransfer(
+            request.request_id,
             request.cache_salt,
-            first,
-            tuple(hashes),
-            tuple(block_ids[first:end]),
-            asynchronous=answer.asynchronous,
+            first + skip,
+            tuple(hashes[skip:]),
+            tuple(block_ids[skip:]),
+            parent,
+            asynchronous,
+            group,
         )
 
     def step(self, scheduler_output: Any) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
         """This step's loads and saves (``build_connector_meta``); resets the pending loads."""
         self.lookups.new_step()
-        loads = list(self._loads.values())
+        loads = [load for planned in self._loads.values() for load in planned]
         self._loads.clear()
         self._loading.update(load.req_id for load in loads if load.asynchronous)
         saves: list[BlockTransfer] = []
@@ -196,7 +250,7 @@ class SchedulerSide:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
                 continue
-            tracked.block_ids = list(new.block_ids[0])
+            tracked.block_ids = [list(ids) for ids in new.block_ids]
             tracked.saved = new.num_computed_tokens // self._pages.block_size
             self._plan_save(tracked, new.num_computed_tokens, scheduled.get(new.req_id, 0), saves)
         cached = scheduler_output.scheduled_cached_reqs
@@ -209,10 +263,11 @@ class SchedulerSide:
             if req_id in cached.resumed_req_ids:
                 # Back from preemption: new_block_ids is its whole block list, and
                 # what it computes from here on is all that is new to save.
-                tracked.block_ids = list(new_block_ids[0]) if new_block_ids else []
+                tracked.block_ids = [list(ids) for ids in new_block_ids or ()]
                 tracked.saved = computed // self._pages.block_size
             elif new_block_ids is not None:
-                tracked.block_ids.extend(new_block_ids[0])
+                for ids, new_ids in zip(tracked.block_ids, new_block_ids, strict=True):
+                    ids.extend(new_ids)
             tracked.saved = min(tracked.saved, computed // self._pages.block_size)
             self._plan_save(tracked, computed, scheduled.get(req_id, 0), saves)
         return loads, saves
@@ -223,7 +278,7 @@ class SchedulerSide:
         request = tracked.request
         end = min(
             self._hashed(request),
-            len(tracked.block_ids),
+            min((len(ids) for ids in tracked.block_ids), default=0),
             (computed + scheduled) // self._pages.block_size,
         )
         first = tracked.saved
@@ -231,16 +286,10 @@ class SchedulerSide:
             return
         hashes = self.block_hashes(request, max(0, first - 1), end)  # the parent's too
         parent = hashes.pop(0) if first else None
-        saves.append(
-            BlockTransfer(
-                request.request_id,
-                request.cache_salt,
-                first,
-                tuple(hashes),
-                tuple(tracked.block_ids[first:end]),
-                parent,
-            )
-        )
+        for group, ids in enumerate(tracked.block_ids):
+            transfer = self._transfer(request, group, first, hashes, ids[first:end], parent)
+            if transfer is not None:
+                saves.append(transfer)
         tracked.saved = end
         tracked.saving = True
 

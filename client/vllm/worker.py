@@ -19,14 +19,18 @@ memory is ``client.vllm.cache_pages``'s.
   request whose load failed in this step saves nothing in it: its forward ran
   on a block that was not loaded and vLLM discards that step's work for it.
 * ``finished`` names the finished requests whose saves are out, so vLLM may
-  free their blocks, and the requests whose asynchronous loads are done
-  (``get_finished``).
+  free their blocks, and the requests whose asynchronous loads are done, with
+  those that failed (``get_transfer_results``).
+
+A model of several KV cache groups has a ``CachePages`` a group; each transfer
+names its group (``client.vllm.pages``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -42,12 +46,22 @@ from kvstore.store.chunk import OutData
 log = logging.getLogger("kvstore.client.vllm")
 
 IN_PLACE_BATCH_BYTES = 256 << 20
-"""KV one get of a load into pages asks for. A get costs a round trip of a few ms of
-client and daemon CPU whatever its size, and a load into pages needs no staging to
-bound it: 64 MiB of 256-KiB blocks loaded in 30 ms as one get, 38-66 ms as eight
+"""Default: KV one get of a load into pages asks for. A get costs a round trip of a few
+ms of client and daemon CPU whatever its size, and a load into pages needs no staging
+to bound it: 64 MiB of 256-KiB blocks loaded in 30 ms as one get, 38-66 ms as eight
 (2 cores). 256 MiB copies in well under a lease's 10 s."""
 IN_PLACE_BATCH_BLOCKS = 1024
-"""At most this many blocks a get, well under the daemon's ``max_batch_chunks`` (4096)."""
+"""Default: at most this many blocks a get, under the daemon's ``max_batch_chunks``
+(4,096 unless configured lower; then set ``load_batch_blocks``)."""
+
+
+@dataclass
+class Transfers:
+    """What ``WorkerSide.finished`` reports: vLLM's ``KVConnectorTransferResults``."""
+
+    saved: set[str]  # finished requests whose saves are out: vLLM may free their blocks
+    loaded: set[str]  # requests whose asynchronous loads are done, failed or not
+    failed: set[str]  # those of them whose load failed somewhere
 
 
 class WorkerSide:
@@ -56,40 +70,49 @@ class WorkerSide:
     def __init__(
         self,
         store: KVClient,
-        pages: PageFormat,
+        groups: Sequence[PageFormat],
         batch_blocks: int = 32,
         save_pool_bytes: int = POOL_BYTES,
+        load_batch_blocks: int | None = None,
     ) -> None:
-        if batch_blocks <= 0:
-            raise ConfigError("batch_blocks must be positive")
+        """``batch_blocks``: blocks a put, or a get through staging, names;
+        ``load_batch_blocks``: blocks a get into a CPU cache's pages names (default:
+        ``IN_PLACE_BATCH_BYTES`` of them, at most ``IN_PLACE_BATCH_BLOCKS``)."""
+        if batch_blocks <= 0 or (load_batch_blocks is not None and load_batch_blocks <= 0):
+            raise ConfigError("batch_blocks and load_batch_blocks must be positive")
         self._store = store
-        self._pages = pages
-        self._keys = BlockKeys(pages)
+        self._groups = tuple(groups)
+        self._keys = [BlockKeys(pages) for pages in groups]
         self._batch_blocks = batch_blocks
+        self._load_batch_blocks = load_batch_blocks
         self._save_pool_bytes = save_pool_bytes
-        self._cache: CachePages | None = None
+        self._caches: list[CachePages] = []
         self._saves: Saves | None = None
         self._loads: AsyncLoads | None = None
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor] = []  # a group's, for loads before the forward
+        self._async_staging: list[torch.Tensor] = []  # a group's, for the load thread
         self.failed_blocks: set[int] = set()
         self.failed_requests: set[str] = set()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Take vLLM's KV caches (``register_kv_caches``); loads and saves start here."""
-        self._cache = CachePages(self._pages, kv_caches)
-        self._staging = self._cache.staging(self._batch_blocks)
+        self._caches = [CachePages(pages, kv_caches) for pages in self._groups]
+        self._staging = [cache.staging(self._batch_blocks) for cache in self._caches]
+        self._async_staging = [cache.staging(self._batch_blocks) for cache in self._caches]
         self._saves = Saves(
-            self._store, self._cache, self._keys, self._batch_blocks, self._save_pool_bytes
+            self._store, self._caches, self._keys, self._batch_blocks, self._save_pool_bytes
         )
         self._loads = AsyncLoads(
-            self._load, self._cache.staging(self._batch_blocks), self._cache.device
+            lambda transfer: self._load(transfer, self._async_staging[transfer.group]),
+            self._caches[0].device,
         )
 
     @property
-    def cache(self) -> CachePages:
-        if self._cache is None:
+    def caches(self) -> list[CachePages]:
+        """Each KV cache group's pages, in vLLM's group order."""
+        if not self._caches:
             raise ConfigError("vLLM has not registered its KV caches with the connector")
-        return self._cache
+        return self._caches
 
     @property
     def saves(self) -> Saves:
@@ -102,9 +125,8 @@ class WorkerSide:
     def load(self, transfers: Sequence[BlockTransfer]) -> None:
         """Load every transfer's blocks before the forward; failures land in
         ``failed_blocks`` and ``failed_requests``."""
-        assert self._staging is not None, "set with the cache"
         for transfer in transfers:
-            failed = self._load(transfer, self._staging)
+            failed = self._load(transfer, self._staging[transfer.group])
             if failed:
                 self.failed_blocks.update(failed)
                 self.failed_requests.add(transfer.req_id)
@@ -113,19 +135,20 @@ class WorkerSide:
         """Hand every transfer to the load thread (``client.vllm.loads``)."""
         if self._loads is None:
             raise ConfigError("vLLM has not registered its KV caches with the connector")
-        for transfer in transfers:
-            self._loads.submit(transfer)
+        self._loads.submit(transfers)
 
     def _load(self, transfer: BlockTransfer, staging: torch.Tensor) -> list[int]:
         """Bring ``transfer``'s blocks in, into their pages or through ``staging``; the
         vLLM block ids that failed."""
-        cache = self.cache
-        keys = self._keys.keys(transfer.salt, transfer.hashes)
-        namespace = self._pages.namespace(transfer.salt)
+        cache = self.caches[transfer.group]
+        pages = cache.pages
+        keys = self._keys[transfer.group].keys(transfer.salt, transfer.hashes)
+        namespace = pages.namespace(transfer.salt)
         batch = self._batch_blocks
         if cache.loads_in_place:
-            in_place = min(IN_PLACE_BATCH_BLOCKS, IN_PLACE_BATCH_BYTES // self._pages.block_bytes)
-            batch = max(batch, in_place)
+            batch = self._load_batch_blocks or max(
+                1, min(IN_PLACE_BATCH_BLOCKS, IN_PLACE_BATCH_BYTES // pages.block_bytes)
+            )
         failed: list[int] = []
         for start in range(0, len(keys), batch):
             stop = min(len(keys), start + batch)
@@ -164,15 +187,21 @@ class WorkerSide:
             else:
                 saves.submit(transfer)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """``get_finished``: the finished requests whose saves are out, and the requests
-        whose asynchronous loads are done (their failed blocks join ``failed_blocks``,
-        reported in this same pass)."""
+    def finished(self, finished_req_ids: set[str]) -> Transfers:
+        """``get_transfer_results``: the finished requests whose saves are out, and the
+        requests whose asynchronous loads are done. With one KV cache group the blocks
+        that failed join ``failed_blocks``, reported in this same pass, and vLLM
+        recomputes from the first; with several, vLLM cannot map a block id back to
+        its request, so the requests are named failed instead and recomputed whole."""
         if self._saves is None or self._loads is None:
-            return set(), set()
-        loaded, failed = self._loads.finished()
-        self.failed_blocks |= failed
-        return self._saves.finished(finished_req_ids), loaded
+            return Transfers(set(), set(), set())
+        loads = self._loads.finished()
+        failed: set[str] = set()
+        if len(self._groups) == 1:
+            self.failed_blocks |= loads.failed_blocks
+        else:
+            failed = loads.failed_requests
+        return Transfers(self._saves.finished(finished_req_ids), loads.requests, failed)
 
     def close(self) -> None:
         if self._loads is not None:

@@ -130,12 +130,12 @@ class Reload:
         return self.after.tiers[TierKind.SSD].hits - self.stored.tiers[TierKind.SSD].hits
 
 
-def reload(llm: Any, daemon: Daemon, tokens: list[int], full_blocks: int = FULL_BLOCKS) -> Reload:
-    """Generate ``tokens``, wait for its ``full_blocks`` to be stored, reset vLLM's own
-    prefix cache and generate them again."""
+def reload(llm: Any, daemon: Daemon, tokens: list[int], chunks: int = FULL_BLOCKS) -> Reload:
+    """Generate ``tokens``, wait for its ``chunks`` to be stored (a full block's, a KV
+    cache group), reset vLLM's own prefix cache and generate them again."""
     before = stats(daemon)
     first, cached_first = generate(llm, tokens)
-    stored = stats_once_stored(daemon, before.chunks_stored + full_blocks)
+    stored = stats_once_stored(daemon, before.chunks_stored + chunks)
     assert llm.reset_prefix_cache()
     second, cached_second = generate(llm, tokens)
     return Reload(first, second, cached_first, cached_second, before, stored, stats(daemon))

@@ -45,7 +45,7 @@ from kvstore.tiers.kinds import TierKind  # noqa: E402
 # predictor is on, to see the connector's session events arrive. A put or get may
 # name at most 2 blocks, fewer than a prompt has (as 4,096 are fewer than the 7,438
 # 16-token blocks of a 119K-token context): the connector looks a prompt up in one
-# lookup, and puts each batch of one block from its parent on.
+# lookup, puts each batch of one block from its parent on, and gets two at a time.
 # Warnings raised inside these packages are theirs (see conftest.py); kvstore's stay errors.
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:::(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"
@@ -81,7 +81,12 @@ def store_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def llm(model_dir: Path, store_daemon: Daemon) -> Iterator[Any]:
     engine = start_llm(
         model_dir,
-        {"url": store_daemon.url, "batch_blocks": 1, "tool_call_end_token_ids": TOOL_CALL_END},
+        {
+            "url": store_daemon.url,
+            "batch_blocks": 1,
+            "load_batch_blocks": 2,
+            "tool_call_end_token_ids": TOOL_CALL_END,
+        },
     )
     try:
         yield engine

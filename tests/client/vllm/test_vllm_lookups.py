@@ -155,7 +155,7 @@ def test_a_stopped_daemon_costs_the_scheduler_its_wait_per_step(
     daemon: Daemon = daemon_factory(STALL_TOML)
     with kvstore.connect(daemon.url, timeout_s=2.0) as store:
         side = SchedulerSide(
-            store, PAGES, PAGES.block_size, lookup_wait_s=WAIT_S, lookup_deadline_s=DEADLINE_S
+            store, [PAGES], PAGES.block_size, lookup_wait_s=WAIT_S, lookup_deadline_s=DEADLINE_S
         )
         cached = request("cached", 4)
         keys = PAGES.keys(None, cached.block_hashes)
@@ -170,7 +170,7 @@ def test_a_stopped_daemon_costs_the_scheduler_its_wait_per_step(
         # Loads of async_load_bytes or more go off the step; smaller ones stay in it.
         three_blocks = 3 * PAGES.block_bytes
         ahead = SchedulerSide(
-            store, PAGES, PAGES.block_size, lookup_wait_s=5.0, async_load_bytes=three_blocks
+            store, [PAGES], PAGES.block_size, lookup_wait_s=5.0, async_load_bytes=three_blocks
         )
         ahead.arrived(cached)
         assert ahead.matched_tokens(cached, 0) == (4 * PAGES.block_size, True)

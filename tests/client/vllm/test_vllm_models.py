@@ -4,19 +4,22 @@
   DeepSeek-V2's 512-wide latent plus 64 of rope a token, no V) on vLLM's
   ``CPU_MLA`` backend, whose KV cache is one latent vector a token.
 * **Sliding window + full attention**: a Llama whose first layer attends to a
-  48-token window. vLLM turns its hybrid KV cache manager off for a connector
-  that does not declare ``SupportsHMA``, so both layers share one KV cache
-  group of full-attention pages (the window is applied when attending), which
-  the connector stores as it stores any model's.
+  48-token window, through vLLM's hybrid KV cache manager (the connector
+  declares ``SupportsHMA``): two KV cache groups, each stored in a namespace
+  of its own, the sliding one loaded only where vLLM gives it pages (the last
+  two blocks before the first computed token), its other blocks vLLM's null
+  block.
 
 For each: a prompt's blocks are saved, vLLM's own cache is reset, and the same
-prompt loads every full block back from the daemon and gives the same greedy
-output. Run by ``make test-vllm``; skipped where vLLM is not installed.
+prompt loads every full block back from the daemon (and a sliding window's)
+and gives the same greedy output. Run by ``make test-vllm``; skipped where
+vLLM is not installed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +77,26 @@ def save_sliding_and_full_llama(path: Path) -> None:
     save_model(path, layer_types=["sliding_attention", "full_attention"], sliding_window=48)
 
 
-# name -> the model, vLLM's block size for it, and its attention backend. CPU_MLA is
-# named: vLLM prefers AMX_MLA where the CPU has AMX, which takes other blocks and dtypes,
-# and the reference backend runs on every x86-64 CPU.
-KINDS: dict[str, tuple[Callable[[Path], None], int, dict[str, Any]]] = {
-    "mla": (save_deepseek_v2, 16, {"attention_config": {"backend": "CPU_MLA"}}),
-    "sliding+full": (save_sliding_and_full_llama, 32, {}),
+@dataclass(frozen=True)
+class Kind:
+    """A model, vLLM's block size for it, its engine options, and the chunks a prompt of
+    ``PROMPT_TOKENS`` stores and loads back: one a full block a group, but a sliding
+    window's group loads only the blocks in its window."""
+
+    save: Callable[[Path], None]
+    block_size: int
+    engine_options: dict[str, Any]
+    stored: int
+    loaded: int
+
+
+# CPU_MLA is named: vLLM prefers AMX_MLA where the CPU has AMX, which takes other
+# blocks and dtypes, and the reference backend runs on every x86-64 CPU.
+KINDS = {
+    "mla": Kind(save_deepseek_v2, 16, {"attention_config": {"backend": "CPU_MLA"}}, 6, 6),
+    # 3 full blocks of 32 in each of two groups; the 48-token window before token 96
+    # spans blocks 1 and 2, so the sliding group loads those two.
+    "sliding+full": Kind(save_sliding_and_full_llama, 32, {}, 6, 3 + 2),
 }
 
 
@@ -93,24 +110,24 @@ def store_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, store_daemon: Daemon
 ) -> Iterator[tuple[Any, int]]:
-    save, block_size, engine_options = KINDS[request.param]
+    kind = KINDS[request.param]
     model_dir = tmp_path_factory.mktemp(request.param.replace("+", "-"))
-    save(model_dir)
+    kind.save(model_dir)
     connector = {"url": store_daemon.url, "session_events": False}
-    llm = start_llm(model_dir, connector, block_size=block_size, **engine_options)
+    llm = start_llm(model_dir, connector, block_size=kind.block_size, **kind.engine_options)
     try:
-        yield llm, block_size
+        yield llm, kind
     finally:
         stop_llm(llm)
 
 
 def test_a_reset_engine_loads_every_full_block_and_gives_the_same_output(
-    engine: tuple[Any, int], store_daemon: Daemon
+    engine: tuple[Any, Kind], store_daemon: Daemon
 ) -> None:
-    llm, block_size = engine
-    full_blocks = PROMPT_TOKENS // block_size  # the block holding the last token is computed
-    run = reload(llm, store_daemon, prompt(21), full_blocks)
+    llm, kind = engine
+    full_blocks = PROMPT_TOKENS // kind.block_size  # the block of the last token is computed
+    run = reload(llm, store_daemon, prompt(21), kind.stored)
     assert run.second == run.first
-    assert run.cached_second == full_blocks * block_size
-    assert run.ssd_hits == full_blocks
+    assert run.cached_second == full_blocks * kind.block_size
+    assert run.ssd_hits == kind.loaded
     assert run.after.get_misses == run.stored.get_misses

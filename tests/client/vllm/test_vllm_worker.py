@@ -9,16 +9,16 @@ import hashlib
 import signal
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
 from support.daemon import Daemon
+from support.polling import until
 
 import kvstore
 from kvstore.client.connect import KVClient
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat
-from kvstore.client.vllm.worker import WorkerSide
+from kvstore.client.vllm.worker import Transfers, WorkerSide
 
 PAGES = PageFormat(
     model="worker@main",
@@ -57,14 +57,6 @@ def save(req_id: str, hashes: list[bytes], first: int, block_ids: list[int]) -> 
     return BlockTransfer(req_id, None, first, tuple(hashes[first:end]), tuple(block_ids), parent)
 
 
-def until(condition: Callable[[], Any], what: str, timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-    return value
-
-
 @pytest.fixture
 def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory(STORE_TOML)
@@ -78,11 +70,11 @@ def store(daemon: Daemon) -> Iterator[KVClient]:
 
 def sent(side: WorkerSide, finished_req_ids: set[str]) -> set[str]:
     """The finished requests ``side`` names as having their saves out."""
-    return side.finished(finished_req_ids)[0]
+    return side.finished(finished_req_ids).saved
 
 
 def worker(store: KVClient, kv: dict[str, torch.Tensor], pool_bytes: int = 64 << 20) -> WorkerSide:
-    side = WorkerSide(store, PAGES, batch_blocks=BATCH, save_pool_bytes=pool_bytes)
+    side = WorkerSide(store, [PAGES], batch_blocks=BATCH, save_pool_bytes=pool_bytes)
     side.register(kv)
     return side
 
@@ -117,7 +109,7 @@ def test_pages_that_are_not_one_run_of_bytes_load_through_staging(store: KVClien
         name: torch.zeros(heads_outermost).permute(1, 0, 2, 3) for name in PAGES.layer_names
     }
     saver, loader = worker(store, source), worker(store, target)
-    assert saver.cache.loads_in_place and not loader.cache.loads_in_place
+    assert saver.caches[0].loads_in_place and not loader.caches[0].loads_in_place
     hashes = chain("staged", 3)
     saver.save([save("staged", hashes, 0, [5, 6, 7])])
     assert until(lambda: sent(saver, {"staged"}), "saves out") == {"staged"}
@@ -138,11 +130,11 @@ def test_an_asynchronous_load_is_named_done_with_the_blocks_that_failed(store: K
 
     asked = BlockTransfer("back", None, 0, tuple(hashes), (10, 11, 12, 13, 14), asynchronous=True)
     loader.load_async([asked])
-    assert until(lambda: loader.finished(set())[1], "load named done") == {"back"}
+    assert until(lambda: loader.finished(set()).loaded, "load named done") == {"back"}
     assert loader.take_failed_blocks() == {13, 14}
     for name in PAGES.layer_names:
         assert torch.equal(target[name][[10, 11, 12]], source[name][[2, 4, 6]])
-    assert loader.finished(set()) == (set(), set())  # named once only
+    assert loader.finished(set()) == Transfers(set(), set(), set())  # named once only
     saver.close()
     loader.close()
 
@@ -163,7 +155,7 @@ def test_cuda_pages_round_trip_through_the_side_stream_and_the_load_thread(
     loader.load([BlockTransfer("sync", None, 0, tuple(hashes[:3]), (0, 1, 2))])
     rest = BlockTransfer("async", None, 3, tuple(hashes[3:]), (3, 4, 11), asynchronous=True)
     loader.load_async([rest])
-    assert until(lambda: loader.finished(set())[1], "load named done") == {"async"}
+    assert until(lambda: loader.finished(set()).loaded, "load named done") == {"async"}
     assert loader.take_failed_blocks() == set()
     torch.cuda.synchronize()
     for name in PAGES.layer_names:
