@@ -12,6 +12,7 @@
 
 One design, two faces (as httpx pairs ``Client`` and ``AsyncClient``)::
 
+    KVStoreAPI, KVClientAPI          api.py              the one API protocol every face implements
     connect / connect_async          connect.py          URL (address.py) -> client
       StoreClient | AsyncStoreClient sync_client.py,     I/O only, over httpx transports
                                      async_client.py

@@ -13,7 +13,11 @@ Embedded use::
 The package, one folder per audience, dependencies running one way (a test,
 ``tests/layout/test_imports.py``, keeps it so)::
 
-    kvstore/*.py        the format: errors, keys, block, codec, config (the settings loader)
+    kvstore/*.py        the format: errors.py, keys.py, block.py, codec.py, config.py (the
+                        settings loader); and what every layer shares: processes.py
+                        (child processes, free ports), breaker.py (skip a failed backend
+                        until a probe finds it back), throttled_log.py (a line at most
+                        once per interval), tensors.py (is it a tensor, without torch)
     kvstore/tiers/      the tier kinds, one protocol, one registry, one module per backend
     kvstore/store/      the embedded engine: StoreCore and its faces, placement, eviction
     kvstore/wire/       what both ends of a socket agree on: codes, messages, frames, events

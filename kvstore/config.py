@@ -49,7 +49,8 @@ With no file and no variables the store runs the embedded default: DRAM plus
 LMDB under the user's cache directory, no Redis, no GPU.
 
 This module knows how to read (the file, sizes, environment values) and no
-table; it imports nothing of kvstore but the error tree.
+table; it imports nothing of kvstore but the error tree. Every setting, with its
+default, is listed in ``docs/configuration.md`` (a test holds it to the code).
 """
 
 from __future__ import annotations

@@ -7,19 +7,23 @@ backend type::
 
     KVStoreError
      +-- ConfigError            the configuration cannot be used as written
+     +-- BadRequest             a request the daemon cannot accept (malformed, out of range)
      +-- UnknownNamespace       a request names a namespace the store was not given
      +-- LayoutMismatch         data whose shape, dtype or layout is not the namespace's
      +-- RequestTooLarge        a request over a configured bound (batch, bytes)
      +-- CorruptBlock           a stored block failed its checksum or header checks
      +-- TierError              a tier could not do what was asked
      |    +-- TierUnavailable   the backend is down or answered too slowly
+     |    +-- TierRefused       the backend answered but would not store (disk full)
      |    +-- TierFull          no room even after eviction
      +-- WireError              a request or answer breaks the wire format; carries its
      |                          ErrorCode, so it lives with the codes (kvstore.wire.codes)
      +-- StartupError           the daemon cannot start as configured (socket, port)
      +-- PutAborted             a put's block landed after the put had failed (daemon)
      +-- LoadInterrupted        a layer-wise load delivered fewer tokens than planned
-                                (transformers integration: rerun from the good ones)
+     |                          (transformers integration: rerun from the good ones)
+     +-- CommandFailed          a ``kvstore`` command's one line before its non-zero exit
+                                (kvstore.cli.daemon_client)
 
 ``CorruptBlock`` and ``TierError`` rarely reach a caller of ``TieredStore``:
 the store turns both into misses (and counts them), because a miss costs a

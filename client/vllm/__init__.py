@@ -7,6 +7,7 @@
       lookups.py     lookups sent on arrival, on their own thread, within a deadline
       sessions.py    session events for the daemon's predictor
     worker.py      the worker side: loads before the forward, saves after it
+      loads.py       large loads off the step, on a thread of their own
       saves.py       saves gathered into a bounded pool, put by their own thread
       cache_pages.py every copy into and out of vLLM's KV cache
     pages.py       the page format both sides assume (no vLLM needed)

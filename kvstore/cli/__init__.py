@@ -10,9 +10,11 @@
     kvstore train-predictor TRACE... --out FILE
     kvstore --version
 
-The daemon commands (``kvstore.cli.admin``) find the daemon's socket from the
-config ``serve`` reads unless ``--url`` says otherwise; ``--token`` (or
-``KVSTORE_AUTH_TOKEN``) is only needed over TCP.
+The daemon commands (``admin.py``) find the daemon's socket from the config
+``serve`` reads unless ``--url`` says otherwise (``daemon_client.py``: one JSON
+request over its socket); ``--token`` (or ``KVSTORE_AUTH_TOKEN``) is only needed
+over TCP. ``daemon_stats.py`` draws ``kvstore stats``' answer, and ``tables.py``
+the plain-text tables and units every answer uses.
 
 Only the chosen command's module is imported, and only it builds its options:
 ``kvstore --help`` and the daemon commands load neither torch, nor aiohttp, nor

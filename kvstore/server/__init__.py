@@ -17,6 +17,8 @@ The whole daemon, one module per job::
     leases.py          shared-memory leases: pins given back exactly once
     event_log.py       the ring of recent session events
     metrics.py         a Prometheus registry per app; store counters read at scrape time
+    admin.py           the operator's routes: namespaces, sessions, evict, delete
+    status_page.py     /ui: the status page's three files (ui/), served as they are
     request_log.py     a refused request costs one debug line, never a traceback
     connection.py      which socket a request came in on
 

@@ -5,7 +5,7 @@
     app[STORE]    TieredStore     the store; opened and closed by the Server, not the app
     app[SERVING]  SharedServing   the daemon's paths into the store's core (shm, landed puts)
     app[LEASES]   LeaseTable      shared-memory leases; its expiry task lives in cleanup_ctx
-    app[EVENTS]   EventLog        recent session events (issue 4's predictor reads them)
+    app[EVENTS]   EventLog        recent session events, a record for operators and tests
     app[METRICS]  DaemonMetrics   this app's own Prometheus registry
     app[STATE]    DaemonState     config in force, draining flag, counters, addresses
     app[PREDICTOR] PredictorService  the return-time predictor and its placement policy;

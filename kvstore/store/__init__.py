@@ -11,6 +11,7 @@
     index.py         which tiers hold each chunk, its parent, its pins
     reader.py        reading and verifying blocks out of a tier
     guarded.py       a tier failure as a miss, in one place
+    write_through.py every put copied to a shared tier (Redis), off the put's path
     maintenance.py   scrubbing and flushing
     chunk.py         what callers hand the store and get back (KVChunk, CachedPrefix)
     out_buffers.py   a get's out= buffers: host ones filled in place, device tensors

@@ -10,6 +10,7 @@ in a modeled engine whose HBM both runs requests and caches KV.
     engine.py         the engine: batch slots, HBM admission, the GPUs' prefill queue
     config.py         what a replay depends on besides workload and policy
     simulator.py      one policy's event loop: the real TieredStore, the real policies
+    replay_store.py   the store it runs on, sized in stand-in blocks; a call's chunk keys
     results.py        what one policy did (GPU-seconds, TTFT, bytes moved, ...)
     parallel.py       several policies at once, a worker process each
     timeline.py       a request trace as the session events training feeds the learner

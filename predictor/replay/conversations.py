@@ -31,7 +31,7 @@ Choices this loader makes, and why:
   ``"async_launched"`` agents) ``t`` is taken as the start.
 * **Missing times**: ``api_time`` absent is 0.0, and so is ``think_time`` absent
   (67 calls in the data set, each after an aborted stream with no ``api_time``);
-  the README's figures count them the same way.
+  ``docs/predictor_results.md``'s figures count them the same way.
 * A call is a human turn (``Trigger.USER``) when ``input_types`` is exactly
   ``["text"]``; that includes each subagent's first call (the parent's task
   prompt, ``think_time`` 0).

@@ -1,7 +1,7 @@
 """The replay's model of time and size: what a request costs, how big a tier is.
 
 The store moves real but tiny stand-in payloads (two bytes per token), so
-nothing here is measured: every cost is modeled from ``kvstore.config.CostModel``
+nothing here is measured: every cost is modeled from ``kvstore.store.config.CostModel``
 (tier reload bandwidths, prefill rate) at the real model's KV size::
 
     load_s      = sum over loaded chunks of chunk_tokens * kv_bytes_per_token / bandwidth(tier)

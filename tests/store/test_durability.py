@@ -1,6 +1,6 @@
 """What a ``TieredStore`` keeps across a close, a reopen, a kill -9 in the middle of
 LMDB writes, and an LMDB map that fills before the configured capacity; and the
-README's embedded store starting on a machine with no cache directory yet."""
+README's embedded default starting on a machine with no cache directory yet."""
 
 from __future__ import annotations
 

@@ -366,12 +366,12 @@ def test_the_kv_cache_tester_data_set_matches_its_readme() -> None:
     summary = workload_summary(conversations)
     top_level = [s for c in conversations for s in c.steps if isinstance(s, Call)]
     assert summary["conversations"] == 425
-    # The README's 29,617 requests and 3.67B prompt tokens are the parents' calls; the 32
+    # The data set's README's 29,617 requests and 3.67B prompt tokens are the parents'; the 32
     # subagents (21 groups) add 315 calls.
     assert len(top_level) == 29_617
     assert round(sum(c.prompt_tokens for c in top_level) / 1e9, 2) == 3.67
     assert (summary["calls"], summary["subagent_groups"]) == (29_932, 21)
-    # The README's 3,678 human turns are those with a think time: its 4,172 text calls less
+    # Its 3,678 human turns are those with a think time: its 4,172 text calls less
     # each conversation's opening (425) and 69 without one. (The subagents' 32 task
     # prompts are "text" too, but no human's.)
     assert summary["think_samples"] == 3_678
