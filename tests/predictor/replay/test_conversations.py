@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO
+from support import PUBLIC_TRACES
 
 from kvstore.errors import ConfigError
 from kvstore.predictor.replay.conversations import (
@@ -21,7 +21,7 @@ from kvstore.predictor.replay.conversations import (
 )
 from kvstore.wire.events import Trigger
 
-KV_CACHE_TESTER = REPO.parent / "shared" / "data" / "traces" / "kv-cache-tester"
+KV_CACHE_TESTER = PUBLIC_TRACES / "kv-cache-tester"
 BLOCK = 4  # tokens per block in the hand-built traces
 
 
@@ -360,7 +360,10 @@ def test_unreadable_paths_name_the_path(tmp_path: Path) -> None:
         assert str(error.value) == message
 
 
-@pytest.mark.skipif(not KV_CACHE_TESTER.is_dir(), reason="the kv-cache-tester data set is absent")
+@pytest.mark.skipif(
+    not KV_CACHE_TESTER.is_dir(),
+    reason="the kv-cache-tester data set is absent (set KVSTORE_TEST_TRACES)",
+)
 def test_the_kv_cache_tester_data_set_matches_its_readme() -> None:
     conversations = load_conversations([KV_CACHE_TESTER])  # about 13 s
     summary = workload_summary(conversations)

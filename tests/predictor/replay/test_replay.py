@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import REPO
+from support import PUBLIC_TRACES
 
 from kvstore.cli import main
 from kvstore.errors import ConfigError
@@ -38,7 +38,7 @@ from kvstore.predictor.replay.workload import from_trace, load_workload
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
-TRACES = REPO.parent / "shared" / "data" / "traces"
+TRACES = PUBLIC_TRACES
 SLOT_GB = 512 * 131072 / 1e9  # one 512-token chunk of Llama-3.1-8B KV
 # 8, 24 and 96 chunks: HBM holds about one chain, DRAM a few, SSD most of the trace.
 SMALL = Sizing(hbm_gb=8.5 * SLOT_GB, dram_gb=24.5 * SLOT_GB, ssd_gb=96.5 * SLOT_GB)
@@ -268,7 +268,7 @@ def test_a_redis_tier_runs_on_a_private_server(trace_file: Path) -> None:
 
 @pytest.mark.skipif(
     not (TRACES / "mooncake_conversation_trace.jsonl").is_file(),
-    reason="Mooncake's conversation trace (../shared/data/traces) is absent",
+    reason="Mooncake's conversation trace is absent (set KVSTORE_TEST_TRACES)",
 )
 def test_mooncake_conversation_trace_quick() -> None:
     trace = load_trace(TRACES / "mooncake_conversation_trace.jsonl")

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import PUBLIC_TRACES
 
 from kvstore.errors import ConfigError
 from kvstore.predictor.replay.traces import TraceFormat, load_trace
 from kvstore.wire.events import Trigger
 
-TRACES = REPO.parent / "shared" / "data" / "traces"
+TRACES = PUBLIC_TRACES
 
 
 def write(path: Path, rows: list[dict]) -> Path:
@@ -89,7 +89,7 @@ def test_bad_traces_are_clear_errors(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(
     not (TRACES / "mooncake_conversation_trace.jsonl").is_file(),
-    reason="the public traces (../shared/data/traces) are absent",
+    reason="the public traces are absent (set KVSTORE_TEST_TRACES)",
 )
 def test_shared_traces_load_with_the_documented_shape() -> None:
     conversation = load_trace(TRACES / "mooncake_conversation_trace.jsonl")
