@@ -84,6 +84,7 @@ from kvstore.block import (
     Codec,
     check_identity,
     check_payload_size,
+    copy_into,
     copy_payload,
     fill_verified,
     parse_header,
@@ -97,7 +98,6 @@ from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.store.chunk import ChunkPages, KVChunk
-from kvstore.store.out_buffers import in_pages
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.frames import META_LENGTH, FrameDecoder, FrameLimits, meta_length, parse_meta
@@ -158,12 +158,11 @@ def chunk_of(
         chunk_nbytes = namespace.layout.chunk_nbytes
     if raw.nbytes != chunk_nbytes:
         raise CorruptBlock(f"block {key.hex()} holds {raw.nbytes} bytes, not one chunk")
-    chunk = KVChunk(key, tier, namespace.layout, raw)
     if isinstance(destination, ChunkPages):
         destination.fill(raw)
-        return in_pages(chunk, destination)
+        return KVChunk(key, tier, namespace.layout, memoryview(b""), pages=destination)
     if destination is None:
-        return chunk
+        return KVChunk(key, tier, namespace.layout, raw)
     np.copyto(destination, np.frombuffer(raw, dtype=np.uint8))
     return KVChunk(key, tier, namespace.layout, destination.data)
 
@@ -535,20 +534,13 @@ def _copy_one(
         check_identity(header, namespace, key)
         if header.raw_len != size:
             raise CorruptBlock(f"block {key.hex()} holds {header.raw_len} bytes, not {size}")
-        return in_pages(KVChunk(key, entry.tier, namespace.layout, memoryview(b"")), pages)
+        return KVChunk(key, entry.tier, namespace.layout, memoryview(b""), pages=pages)
     assert isinstance(target, memoryview)
     return chunk_of(header, target, namespace, key, entry.tier, destination, chunk_nbytes)
 
 
 def _copy_range(source: memoryview, target: memoryview | tuple[np.ndarray, ...]) -> None:
     """Copy the payload of the arena block ``source`` into ``target``, a buffer or
-    pages (its own frame, so the arrays exporting ``source`` are gone when it
-    returns)."""
-    payload = np.frombuffer(source, dtype=np.uint8, offset=HEADER_BYTES)
-    if not isinstance(target, tuple):
-        np.copyto(np.frombuffer(target, dtype=np.uint8), payload)
-        return
-    at = 0
-    for page in target:
-        np.copyto(page, payload[at : at + page.size])
-        at += page.size
+    pages, unchecked (its own frame, so the arrays exporting ``source`` are gone
+    when it returns)."""
+    copy_into(np.frombuffer(source, dtype=np.uint8, offset=HEADER_BYTES), target)

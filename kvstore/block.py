@@ -338,7 +338,7 @@ def copy_payload(
     check_payload_size(header, memoryview(source).nbytes)
     check_payload_size(header, sum(target.size for target in targets))
     if not verify:
-        _copy(source, targets)
+        copy_into(source, targets)
         return header
     hasher = payload_hasher(header_bytes)
     _copy_hashing(source, targets, hasher)
@@ -410,8 +410,13 @@ def _pieces(payload: memoryview | bytes | bytearray | Pages) -> Pages:
     return (np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8),)
 
 
-def _copy(source: memoryview | bytes | bytearray, targets: Pages) -> None:
-    # Its own frame for the reason ``_copy_hashing`` gives.
+def copy_into(
+    source: memoryview | bytes | bytearray | np.ndarray,
+    destination: memoryview | bytearray | Pages,
+) -> None:
+    """Copy a payload's bytes into ``destination``, one buffer or pages in order, with
+    no check (its own frame, for the reason ``_copy_hashing`` gives)."""
+    targets = _pieces(destination)
     copy_from = np.frombuffer(source, dtype=np.uint8)
     at = 0
     for copy_to in targets:

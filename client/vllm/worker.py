@@ -97,8 +97,8 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Take vLLM's KV caches (``register_kv_caches``); loads and saves start here."""
         self._caches = [CachePages(pages, kv_caches) for pages in self._groups]
-        self._staging = [cache.staging(self._batch_blocks) for cache in self._caches]
-        self._async_staging = [cache.staging(self._batch_blocks) for cache in self._caches]
+        self._staging = [self._load_staging(cache) for cache in self._caches]
+        self._async_staging = [self._load_staging(cache) for cache in self._caches]
         self._saves = Saves(
             self._store, self._caches, self._keys, self._batch_blocks, self._save_pool_bytes
         )
@@ -106,6 +106,10 @@ class WorkerSide:
             lambda transfer: self._load(transfer, self._async_staging[transfer.group]),
             self._caches[0].device,
         )
+
+    def _load_staging(self, cache: CachePages) -> torch.Tensor:
+        """A load's staging for ``cache``: none (no rows) where loads land in the pages."""
+        return cache.staging(0 if cache.loads_in_place else self._batch_blocks)
 
     @property
     def caches(self) -> list[CachePages]:

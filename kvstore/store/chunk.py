@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from kvstore.block import copy_into
 from kvstore.errors import LayoutMismatch
 from kvstore.keys import ChunkKey, KVLayout
 from kvstore.tensors import is_tensor
@@ -60,11 +61,7 @@ class ChunkPages:
 
     def fill(self, payload: memoryview | np.ndarray) -> None:
         """Copy one chunk's raw bytes into the pages."""
-        source = np.frombuffer(payload, dtype=np.uint8)
-        at = 0
-        for page in self.pages:
-            np.copyto(page, source[at : at + page.size])
-            at += page.size
+        copy_into(payload, self.pages)
 
 
 OutData: TypeAlias = "ChunkData | ChunkPages"
