@@ -8,6 +8,8 @@ The pipeline (docs/predictor_design.md draws it whole)::
                                               one step per label batch; quality.PrequentialScores
               counting.py: the counts beside the model (tool returns, the previous-gap
               table it is blended with, how often superseded sessions come back)
+              portable.py: the arithmetic forecasts are made and read with, the same
+              on every CPU (float64, a grid of 1e-6, scalar interpolation)
 
 Typical use, one call per event::
 

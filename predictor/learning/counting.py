@@ -26,13 +26,14 @@ what was counted, not from the priors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvstore.errors import ConfigError
+from kvstore.predictor.learning.portable import logit, sigmoid
 
 HUMAN_GAP_EDGES = (60.0, 180.0, 600.0, 1800.0, 3600.0)
 """Bin bounds of the previous human gap (seconds), around the placement horizons."""
@@ -92,12 +93,15 @@ class HumanGapTable:
         self.pooled_known[k] += 1
 
 
-def blend(model: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """The mean of two forecasts' log-odds, per horizon, kept monotone in the horizon."""
-    m = np.clip(np.asarray(model, dtype=np.float64), _EPS, 1.0 - _EPS)
-    t = np.clip(np.asarray(table, dtype=np.float64), _EPS, 1.0 - _EPS)
-    z = 0.5 * (np.log(m / (1.0 - m)) + np.log(t / (1.0 - t)))
-    return np.maximum.accumulate(1.0 / (1.0 + np.exp(-z)))
+def blend(model: Iterable[float], table: Iterable[float]) -> tuple[float, ...]:
+    """The mean of two forecasts' log-odds, per horizon, kept monotone in the horizon
+    (scalar arithmetic: ``portable``)."""
+    blended: list[float] = []
+    for m, t in zip(model, table, strict=True):
+        m, t = (min(max(float(p), _EPS), 1.0 - _EPS) for p in (m, t))
+        p = sigmoid(0.5 * (logit(m) + logit(t)))
+        blended.append(max(p, blended[-1]) if blended else p)
+    return tuple(blended)
 
 
 class SupersededReturns:

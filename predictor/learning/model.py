@@ -48,6 +48,7 @@ from torch import nn
 
 from kvstore.errors import ConfigError
 from kvstore.predictor.learning.counting import Counts
+from kvstore.predictor.learning.portable import interpolate, logit
 
 DEFAULT_HORIZONS = (60.0, 600.0, 3600.0)
 
@@ -113,11 +114,7 @@ def default_prior(horizons: Sequence[float]) -> tuple[float, ...]:
     """P(return within h) for each horizon, from ``PUBLISHED_WAITS`` interpolated in log time."""
     xs = [math.log(s) for s, _ in PUBLISHED_WAITS]
     ps = [p for _, p in PUBLISHED_WAITS]
-    return tuple(float(np.clip(np.interp(math.log(h), xs, ps), 0.01, 0.99)) for h in horizons)
-
-
-def _logit(p: float) -> float:
-    return math.log(p / (1.0 - p))
+    return tuple(min(max(interpolate(math.log(h), xs, ps), 0.01), 0.99) for h in horizons)
 
 
 def _softplus_inverse(y: float) -> float:
@@ -146,6 +143,7 @@ class ReturnModel(nn.Module):
         prior: Sequence[float] | None = None,
         lr: float = DEFAULT_LR,
         rehearsal: Rehearsal | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         horizons = tuple(float(h) for h in horizons)
@@ -164,31 +162,42 @@ class ReturnModel(nn.Module):
         self.register_buffer("feature_mean", torch.zeros(n_features, dtype=torch.float64))
         self.register_buffer("feature_var", torch.ones(n_features, dtype=torch.float64))
         self.register_buffer("feature_count", torch.zeros((), dtype=torch.float64))
-        self.body: nn.Module = (
-            nn.Sequential(nn.Linear(n_features, hidden), nn.Tanh()) if hidden else nn.Identity()
-        )
-        self.head = nn.Linear(hidden or n_features, len(horizons))
-        logits = [_logit(p) for p in prior]
+        # float64, and initial weights drawn by numpy from ``seed``: torch's ``uniform_``
+        # rounds by instruction set (``portable`` says why that matters).
+        rng = np.random.default_rng(seed)
+        self.body: nn.Module = nn.Identity()
+        if hidden:
+            layer = nn.Linear(n_features, hidden, dtype=torch.float64)
+            bound = 1.0 / math.sqrt(n_features)  # nn.Linear's own initial range
+            with torch.no_grad():
+                for parameter in (layer.weight, layer.bias):
+                    draws = (2.0 * rng.random(tuple(parameter.shape)) - 1.0) * bound
+                    parameter.copy_(torch.from_numpy(draws))
+            self.body = nn.Sequential(layer, nn.Tanh())
+        self.head = nn.Linear(hidden or n_features, len(horizons), dtype=torch.float64)
+        logits = [logit(p) for p in prior]
         steps = [max(b - a, _MIN_INCREMENT) for a, b in pairwise(logits)]
         with torch.no_grad():
             self.head.weight.zero_()
-            self.head.bias.copy_(torch.tensor([logits[0], *map(_softplus_inverse, steps)]))
+            self.head.bias.copy_(
+                torch.tensor([logits[0], *map(_softplus_inverse, steps)], dtype=torch.float64)
+            )
         self.optimizer = torch.optim.Adam(self.parameters(), lr=lr)
         self.rehearsal = rehearsal
         # The rehearsal ring: rows, labels and masks of the last ``window`` labelled rows.
         window = rehearsal.window if rehearsal is not None else 0
-        self._seen_x = np.zeros((window, n_features), dtype=np.float32)
-        self._seen_y = np.zeros((window, len(horizons)), dtype=np.float32)
+        self._seen_x = np.zeros((window, n_features), dtype=np.float64)
+        self._seen_y = np.zeros((window, len(horizons)), dtype=np.float64)
         self._seen_m = np.zeros((window, len(horizons)), dtype=bool)
         self._seen = 0  # rows ever remembered; the ring holds the last ``window``
         self._due = 0  # labelled rows not yet paid for with a rehearsal step
-        self._rng = np.random.default_rng(0)  # fixed: a replay must repeat exactly
+        self._rng = rng  # seeded: a replay must repeat exactly
         self.counts = Counts.fresh(horizons)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of P(return within h), shape ``(n, H)``, nondecreasing along ``H``."""
         std = (self.feature_var + _VAR_FLOOR).sqrt()
-        z = ((x.double() - self.feature_mean) / std).clamp(-_CLAMP, _CLAMP).float()
+        z = ((x - self.feature_mean) / std).clamp(-_CLAMP, _CLAMP)
         out = self.head(self.body(z))
         return torch.cat([out[:, :1], out[:, :1] + nn.functional.softplus(out[:, 1:]).cumsum(1)], 1)
 
@@ -196,7 +205,7 @@ class ReturnModel(nn.Module):
         """Probabilities for one feature vector ``(F,) -> (H,)`` or a batch ``(n, F) -> (n, H)``."""
         x = self._tensor(features)
         with torch.no_grad():
-            p = torch.sigmoid(self(x.reshape(-1, self.n_features))).double().numpy()
+            p = torch.sigmoid(self(x.reshape(-1, self.n_features))).numpy()
         return p[0] if x.dim() == 1 else p
 
     def update(self, features: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float:
@@ -214,7 +223,7 @@ class ReturnModel(nn.Module):
         passed horizon's 0, and bias every probability down.
         """
         x = self._tensor(features).reshape(-1, self.n_features)
-        y = torch.as_tensor(np.asarray(labels, dtype=np.float32)).reshape(len(x), -1)
+        y = torch.as_tensor(np.asarray(labels, dtype=np.float64)).reshape(len(x), -1)
         m = torch.as_tensor(np.asarray(mask, dtype=bool)).reshape(y.shape)
         if not m.any():
             return 0.0
@@ -293,7 +302,7 @@ class ReturnModel(nn.Module):
         return model
 
     def _tensor(self, features: np.ndarray) -> torch.Tensor:
-        x = torch.as_tensor(np.asarray(features, dtype=np.float32))
+        x = torch.as_tensor(np.asarray(features, dtype=np.float64))
         if x.dim() not in (1, 2) or x.shape[-1] != self.n_features:
             raise ConfigError(
                 f"the model takes {self.n_features} features, got shape {tuple(x.shape)} "
@@ -304,7 +313,7 @@ class ReturnModel(nn.Module):
     @torch.no_grad()
     def _observe(self, x: torch.Tensor) -> None:
         """Fold a batch into the running mean and variance (Welford, windowed)."""
-        for row in x.double():
+        for row in x:
             self.feature_count += 1
             n = min(float(self.feature_count), STATS_WINDOW)
             delta = row - self.feature_mean

@@ -34,6 +34,7 @@ from kvstore.predictor.learning.counting import (
     blend,
 )
 from kvstore.predictor.learning.features import feature_vector
+from kvstore.predictor.learning.portable import interpolate, settle
 from kvstore.predictor.learning.quality import PrequentialScores
 from kvstore.predictor.learning.sessions import SessionState, SessionTracker
 from kvstore.wire.events import RequestStarted, SessionEvent
@@ -59,7 +60,7 @@ class ReturnForecast:
         model knows nothing more, so it stays at the last probability.
         """
         xs = [0.0, *(math.log1p(h) for h in self.horizons)]
-        return float(np.interp(math.log1p(max(0.0, seconds)), xs, [0.0, *self.probabilities]))
+        return interpolate(math.log1p(max(0.0, seconds)), xs, [0.0, *self.probabilities])
 
 
 @dataclass(eq=False)  # identity: one entry per idle period, usable as a dict key
@@ -159,12 +160,12 @@ class OnlineLearner:
             probabilities: Sequence[float] = self._tools.predict()
         else:
             model = self.model.predict(features)
-            probabilities = blend(model, self._gap_table.predict(gap_bin)).tolist()
+            probabilities = blend(model, self._gap_table.predict(gap_bin))
         forecast = ReturnForecast(
             session=state.session,
             at=now,
             horizons=self.model.horizons,
-            probabilities=tuple(float(p) for p in probabilities),
+            probabilities=settle(probabilities),
         )
         entry = _Open(
             forecast=forecast,
@@ -250,7 +251,8 @@ class OnlineLearner:
             before = old.within(elapsed)
             rest = max(1.0 - before, 1e-9)
             conditional = [(old.within(elapsed + h) - before) / rest for h in old.horizons]
-            revised = ReturnForecast(old.session, now, old.horizons, counts.scaled(conditional))
+            probabilities = settle(counts.scaled(conditional))
+            revised = ReturnForecast(old.session, now, old.horizons, probabilities)
             entry.revised = revised
             self._revisions.append((state, revised))
 

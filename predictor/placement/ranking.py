@@ -17,9 +17,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvstore.keys import ChunkKey
+from kvstore.predictor.learning.portable import geometric_grid, interpolate
 from kvstore.predictor.placement.hooks import Forecast
 
 Rank = tuple[float, float, int]
@@ -38,11 +37,11 @@ class GapShape:
     once an interval holds ``min_samples`` of them.
     """
 
-    EDGES = (0.0, *np.geomspace(1.0, 7 * 86400.0, 80))
+    EDGES = (0.0, *geometric_grid(1.0, 7 * 86400.0, 80))
 
     def __init__(self, min_samples: int = 50) -> None:
         self.min_samples = min_samples
-        self._log_edges: list[float] = np.log1p(np.asarray(self.EDGES)).tolist()
+        self._log_edges = [math.log1p(edge) for edge in self.EDGES]
         self._cumulative = [0.0] * len(self.EDGES)  # gaps <= each edge
 
     def add(self, gap: float) -> None:
@@ -51,16 +50,8 @@ class GapShape:
             cumulative[index] += 1.0
 
     def count(self, seconds: float) -> float:
-        """Gaps seen up to ``seconds``, interpolated within a bin in log time (as
-        ``np.interp`` does, without its cost on one number: the policy asks this
-        millions of times a replay)."""
-        x = math.log1p(max(0.0, seconds))
-        edges, cumulative = self._log_edges, self._cumulative
-        low = bisect.bisect_right(edges, x) - 1
-        if low >= len(edges) - 1 or edges[low] == x:
-            return cumulative[low]
-        slope = (cumulative[low + 1] - cumulative[low]) / (edges[low + 1] - edges[low])
-        return slope * (x - edges[low]) + cumulative[low]
+        """Gaps seen up to ``seconds``, interpolated within a bin in log time."""
+        return interpolate(math.log1p(max(0.0, seconds)), self._log_edges, self._cumulative)
 
     def share(self, low: float, high: float, seconds: float) -> float | None:
         """Of the gaps in ``(low, high]``, the share up to ``seconds`` (None: too few)."""

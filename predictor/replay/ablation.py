@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
@@ -147,9 +146,9 @@ def prequential(
     if blank:
         x[:, columns_of(blank)] = 0.0
     if model is None:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            model = ReturnModel(x.shape[1], horizons, hidden=hidden, lr=lr, rehearsal=rehearsal)
+        model = ReturnModel(
+            x.shape[1], horizons, hidden=hidden, lr=lr, rehearsal=rehearsal, seed=seed
+        )
     horizons = model.horizons
     scores = PrequentialScores()
     # (time the label is known, example, horizon index), censored ones left out

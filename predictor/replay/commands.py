@@ -353,7 +353,9 @@ def _train(args: argparse.Namespace) -> int:
         report = _train_on_conversations(args)
     else:
         traces = [load_trace(path, trace_format) for path in args.traces]
-        model = ReturnModel(len(feature_names()), hidden=args.hidden, rehearsal=REHEARSAL)
+        model = ReturnModel(
+            len(feature_names()), hidden=args.hidden, rehearsal=REHEARSAL, seed=args.seed
+        )
         scores = train(traces, model)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         model.save(args.out)

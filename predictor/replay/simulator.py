@@ -117,11 +117,13 @@ def _learner(config: ReplayConfig, horizons: tuple[float, ...]) -> OnlineLearner
     if config.model_path is not None:
         model = ReturnModel.load(config.model_path)
     else:
-        with torch.random.fork_rng():
-            torch.manual_seed(config.seed)
-            model = ReturnModel(
-                len(feature_names()), horizons, config.model_hidden, rehearsal=config.rehearsal
-            )
+        model = ReturnModel(
+            len(feature_names()),
+            horizons,
+            config.model_hidden,
+            rehearsal=config.rehearsal,
+            seed=config.seed,
+        )
     return OnlineLearner(model, tracker, PrequentialScores())
 
 

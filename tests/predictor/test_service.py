@@ -136,7 +136,7 @@ def test_an_idle_session_nobody_expects_is_demoted_and_a_resume_prefetches_it(
             # The model's 1-3%, blended with the previous-gap table's prior (no gap yet).
             table = HumanGapTable(DEFAULT_HORIZONS).predict(HumanGapTable.bin(()))
             expected = blend(np.array([0.01, 0.02, 0.03]), table)
-            assert info["forecast"]["p_return"] == pytest.approx(expected.tolist(), abs=1e-6)
+            assert info["forecast"]["p_return"] == pytest.approx(expected, abs=1e-6)
             assert max(expected) < 0.5  # nobody expected back
             # The human is back: the chain goes up before the engine looks it up.
             await feed(service, [started("idle", T0 + 100)])

@@ -348,7 +348,7 @@ def test_a_model_from_train_predictor_starts_a_daemon(
     table = trained.counts.gap_table.predict(gap_bin)
     prior = HumanGapTable(trained.horizons).predict(gap_bin)
     assert table.tolist() != prior.tolist()
-    assert forecast["p_return"] == pytest.approx(blend(model, table).tolist(), abs=1e-6)
+    assert forecast["p_return"] == pytest.approx(blend(model, table), abs=1e-6)
 
 
 def test_unusable_weights_stop_the_daemon_with_a_clear_error(
