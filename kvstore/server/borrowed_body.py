@@ -28,12 +28,15 @@ parsing here.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import fcntl
 import math
 import os
 import select
 import socket
+import termios
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -51,18 +54,23 @@ BORROWED = web.RequestKey("borrowed_socket", bool)
 # daemon stopping) is noticed within one.
 _POLL_SLICE_S = 0.25
 _DISCARD_BYTES = 1 << 20
+# How often ``arrived`` looks again while too few of the bytes it waits for are here.
+_ARRIVAL_POLL_S = 0.02
 
 
 class SocketBody(BodyReader):
     """A body of ``length`` bytes, none read yet: what aiohttp had buffered, then the
-    socket. Blocking; one worker thread at a time.
+    socket. Blocking reads, one worker thread at a time; ``arrived`` waits on the
+    event loop.
 
     ``time_limit``: how long the body may take. A client that sends nothing for
     ``idle_timeout_s`` is cut off, and so is one still sending at ``deadline_s``
     (``request_timeout``): a client trickling a byte now and then never goes
-    quiet, yet must not hold its put slot for long. ``closed()``: whether the
-    connection was closed under us (checked between polls), which ends the read
-    as a hang-up would.
+    quiet, yet must not hold its put slot for long. The deadline runs from the
+    body being borrowed and again from ``start_clock`` (a put's slot: waiting
+    for one is not the client's doing). ``closed()``: whether the connection was
+    closed under us (checked between polls), which ends the read as a hang-up
+    would.
     """
 
     def __init__(
@@ -80,6 +88,40 @@ class SocketBody(BodyReader):
         self._closed = closed
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
+
+    def start_clock(self) -> None:
+        """Count the deadline from now."""
+        self._deadline = time.monotonic() + self._limit.deadline_s
+
+    async def arrived(self, nbytes: int) -> None:
+        """Wait until the next ``nbytes`` of the body are here (aiohttp's buffer and
+        the kernel's), holding no thread and no slot, within the deadline and the
+        idle timeout. Bytes the client sent are waiting in the kernel's buffer
+        (``FIONREAD``) until they are read, so a client that sends headers and
+        then trickles waits here, not in a put slot."""
+        loop = asyncio.get_running_loop()
+        fd = self._sock.fileno()
+        waiting, quiet_since = -1, time.monotonic()
+        while True:
+            before, waiting = waiting, self._ahead.nbytes + _queued(fd)
+            if waiting >= nbytes:
+                return
+            now = time.monotonic()
+            if waiting > before:
+                quiet_since = now
+            self._check_time(now, quiet_since)
+            if self._closed():
+                raise WireError(ErrorCode.UNAVAILABLE, "connection closed mid-body")
+            readable: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _wake, readable)
+            try:
+                await asyncio.wait([readable], timeout=self._wait_s(now))
+            finally:
+                loop.remove_reader(fd)
+            if readable.done() and self._ahead.nbytes + _queued(fd) == waiting:
+                if waiting == self._ahead.nbytes:  # readable with nothing queued: hung up
+                    raise WireError(ErrorCode.MALFORMED_BODY, "client hung up mid-body")
+                await asyncio.sleep(_ARRIVAL_POLL_S)  # some bytes, too few: look again
 
     def discard(self, deadline_s: float) -> None:
         """Read and drop the rest of the body for at most ``deadline_s`` seconds, so
@@ -109,18 +151,35 @@ class SocketBody(BodyReader):
             if self._closed():
                 raise WireError(ErrorCode.UNAVAILABLE, "connection closed mid-body")
             now = time.monotonic()
-            if now >= self._deadline:
-                raise WireError(
-                    ErrorCode.REQUEST_TIMEOUT,
-                    f"body not received within {self._limit.deadline_s:g} s; giving up",
-                )
-            if now - quiet_since > self._limit.idle_timeout_s:
-                raise WireError(
-                    ErrorCode.MALFORMED_BODY,
-                    f"no body bytes for {self._limit.idle_timeout_s:g} s; giving up",
-                )
-            wait_s = min(_POLL_SLICE_S, self._deadline - now)
-            self._poller.poll(max(1, math.ceil(wait_s * 1000)))
+            self._check_time(now, quiet_since)
+            self._poller.poll(max(1, math.ceil(self._wait_s(now) * 1000)))
+
+    def _check_time(self, now: float, quiet_since: float) -> None:
+        if now >= self._deadline:
+            raise WireError(
+                ErrorCode.REQUEST_TIMEOUT,
+                f"body not received within {self._limit.deadline_s:g} s; giving up",
+            )
+        if now - quiet_since > self._limit.idle_timeout_s:
+            raise WireError(
+                ErrorCode.MALFORMED_BODY,
+                f"no body bytes for {self._limit.idle_timeout_s:g} s; giving up",
+            )
+
+    def _wait_s(self, now: float) -> float:
+        return min(_POLL_SLICE_S, self._deadline - now)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _queued(fd: int) -> int:
+    """Bytes the kernel holds for ``fd``, not yet read (``FIONREAD``)."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,9 @@ MAX_SOCKET_PATH = 107
 RELOADABLE = frozenset({"auth_token", "lease_ttl_s", "log_level"})
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # Fields given in bytes, which also accept "64MiB"-style strings.
-_SIZE_FIELDS = frozenset({"max_body_bytes", "max_json_bytes", "min_body_bytes_per_s"})
+_SIZE_FIELDS = frozenset(
+    {"max_body_bytes", "max_json_bytes", "min_body_bytes_per_s", "put_start_bytes"}
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,10 @@ class DaemonConfig:
     max_body_bytes: int = 512 << 20
     max_json_bytes: int = 4 << 20
     max_concurrent_puts: int = 4
+    # A put takes one of those slots once this much of its body (all of it, if smaller)
+    # has arrived: below a socket's smallest receive window, so a client that sends at
+    # once is never held back, while one that trickles never holds a slot.
+    put_start_bytes: int = 16 << 10
     max_line_size: int = 8190
     max_field_size: int = 8190
     max_headers: int = 64
@@ -146,6 +152,7 @@ class DaemonConfig:
             "max_body_bytes",
             "max_json_bytes",
             "max_concurrent_puts",
+            "put_start_bytes",
             "min_body_bytes_per_s",
             "max_line_size",
             "max_field_size",

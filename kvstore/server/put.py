@@ -6,6 +6,9 @@ From the socket to the store, on one worker thread per put::
     socket (kvstore.server.borrowed_body: the body read off the connection, not
       │     through aiohttp's buffers; Content-Length required)
       ▼
+    wait, on the event loop, for the body's first ``put_start_bytes`` (or all of it)
+      │     to be here; only then take one of ``max_concurrent_puts`` slots
+      ▼
     metadata: namespace known? sizes in bounds?   (before any block is read)
       │
       ▼ per block: its header, then
@@ -19,6 +22,14 @@ From the socket to the store, on one worker thread per put::
     Landing.commit: landed blocks published, the others stored by
     serving.put_blocks (all or nothing: a failed put gives every extent
     back and stores nothing)
+
+A put slot is taken by bytes, not by headers: a client that sends a put's
+headers and then trickles its body waits for its first ``put_start_bytes``
+holding nothing (no slot, no thread) until its deadline cuts it off, so any
+number of them cannot keep a normal put from a slot. A client that sends that
+much and then stalls holds its slot until ``body_timeout_s`` of silence or its
+deadline, ``body_deadline_s(length)`` counted from the slot; ``max_concurrent_puts``
+such clients delay a normal put by at most that long.
 
 A failed put reads and drops the rest of its body (for up to
 ``_DISCARD_S``) before answering, so that a client still sending reads the
@@ -92,18 +103,20 @@ async def put(request: web.Request) -> web.Response:
     limit = config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(request.content_length, limit)
-    # Counted from when the put has its slot: waiting for one is not the client's doing.
     time_limit = BodyTimeLimit(
         config.body_deadline_s(request.content_length or 0), config.body_timeout_s
     )
-    async with state.put_slots, borrow(request, time_limit) as body:
-        receiving = asyncio.to_thread(_receive, body, serving, limit, is_local(request))
-        batch = await _to_the_end(receiving)
-        if not batch.keys:
-            return web.json_response({"stored": 0})
-        stored = await asyncio.to_thread(
-            batch.landing.commit, batch.keys, batch.blocks, batch.session
-        )
+    async with borrow(request, time_limit) as body:
+        await body.arrived(min(body.remaining, config.put_start_bytes))
+        async with state.put_slots:
+            body.start_clock()
+            receiving = asyncio.to_thread(_receive, body, serving, limit, is_local(request))
+            batch = await _to_the_end(receiving)
+            if not batch.keys:
+                return web.json_response({"stored": 0})
+            stored = await asyncio.to_thread(
+                batch.landing.commit, batch.keys, batch.blocks, batch.session
+            )
     predictor = request.app.get(PREDICTOR)
     if predictor is not None:  # the session's latest chain, for its events without keys
         predictor.saw_put(batch.session, batch.namespace.digest, tuple(batch.keys))

@@ -175,3 +175,41 @@ def test_connections_trickling_their_headers_are_closed_at_the_header_deadline(
         assert trickle.reply == b""  # headers never complete: nothing to answer
     with daemon.client() as client:  # a request that sends its headers at once is served
         assert client.get("/healthz").json() == {"ok": True}
+
+
+def test_bodies_that_trickle_from_the_start_never_hold_a_put_slot(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Eight puts that send their headers, then a byte every ``EVERY_S``, against two
+    slots and a deadline far longer than the test: a normal put is stored at once,
+    because a slot is taken once ``put_start_bytes`` of a body are here."""
+    slots, tricklers = 2, 8
+    daemon = daemon_factory(
+        daemon={
+            "max_concurrent_puts": slots,
+            "body_deadline_base_s": 60.0,
+            "body_timeout_s": 60.0,
+            "put_start_bytes": 4096,
+        }
+    )
+    ns = http_kv.namespace_for("starved")
+    with daemon.client() as client:
+        register(client, ns)
+    chains = [make_chain(ns, 3, start=1000 * i) for i in range(tricklers)]
+    bodies = [frames_body(ns, chain.keys, chain.blocks) for chain in chains]
+    assert min(len(body) for body in bodies) > 4096
+    trickles = [Trickle(_put_head(body) + body[:8], body[8:]) for body in bodies]
+    normal = make_chain(ns, 2, start=90_000)
+    with ThreadPoolExecutor(1) as pool:
+        trickling = pool.submit(_trickle_all, daemon.socket_path, trickles)
+        time.sleep(3 * EVERY_S)  # every trickle has sent its headers and some bytes
+        issued = time.monotonic()
+        with daemon.client(timeout_s=TRICKLE_FOR_S) as client:
+            assert put(client, normal) == 2
+        waited_s = time.monotonic() - issued
+        trickling.result(timeout=TRICKLE_FOR_S + 10)
+    assert waited_s < 2.0  # with slots taken by headers: until a trickle's deadline
+    with daemon.client() as client:
+        assert lookup(client, ns, normal.keys)["num_chunks"] == 2
+        for chain in chains:
+            assert lookup(client, ns, chain.keys)["num_chunks"] == 0
