@@ -95,7 +95,7 @@ TYPECHECK := $(TYPECHECK_ROOT)/kvstore
 typecheck:
 	rm -rf $(TYPECHECK_ROOT) && mkdir -p $(TYPECHECK)
 	ln -s $(CURDIR)/kvstore/*.py $(TYPECHECK)/
-	for package in cli store wire server; do ln -s $(CURDIR)/kvstore/$$package $(TYPECHECK)/$$package; done
+	for package in cli local store wire server; do ln -s $(CURDIR)/kvstore/$$package $(TYPECHECK)/$$package; done
 	ln -s $(CURDIR)/tiers $(TYPECHECK)/tiers
 	ln -s $(CURDIR)/predictor $(TYPECHECK)/predictor
 	ln -s $(CURDIR)/client $(TYPECHECK)/client

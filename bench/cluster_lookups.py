@@ -17,7 +17,7 @@ from common import Chain, ChunkSize, KeySpace, format_table, make_chunks, percen
 
 from kvstore.client import StoreClient
 from kvstore.keys import KVLayout, Namespace
-from kvstore.tiers.local_redis_cluster import RedisCluster
+from kvstore.local.redis_cluster import RedisCluster
 
 EXTRA_LOOKUP_GOAL_MS = 1.0  # the issue's: consulting the shared tier adds < 1 ms p50
 # A lookup does not read payloads, so its chains have tiny chunks (512 B); 16 tokens a

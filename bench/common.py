@@ -58,7 +58,7 @@ import torch
 import kvstore
 from kvstore.client import StoreClient
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
-from kvstore.processes import spawn, stop_process
+from kvstore.local.processes import spawn, stop_process
 
 # Ports this module must never use: the shared development Redis lives on 6379.
 

@@ -107,7 +107,7 @@ from http_ceiling import BareHTTP, ceiling_process  # noqa: E402
 
 from kvstore.client import StoreClient  # noqa: E402
 from kvstore.keys import ChunkKey, Namespace  # noqa: E402
-from kvstore.processes import HOST, free_port  # noqa: E402
+from kvstore.local.processes import HOST, free_port  # noqa: E402
 
 SIZES = (CHUNK_2MIB, CHUNK_16MIB)
 assert [size.nbytes for size in SIZES] == [2 * MiB, 16 * MiB]

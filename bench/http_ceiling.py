@@ -33,7 +33,7 @@ from common import ServerProcess  # noqa: E402
 
 from kvstore.client.get_body import open_body  # noqa: E402
 from kvstore.client.transports import transport  # noqa: E402
-from kvstore.processes import HOST, free_port  # noqa: E402
+from kvstore.local.processes import HOST, free_port  # noqa: E402
 from kvstore.server.get_frames import widen_send_buffer  # noqa: E402
 
 

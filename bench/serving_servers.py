@@ -48,7 +48,7 @@ import httpx
 from common import DaemonStats, GiB, ServerProcess
 from serving_client import MODEL_NAME
 
-from kvstore.processes import HOST, LIVE, free_port, spawn
+from kvstore.local.processes import HOST, LIVE, free_port, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")

@@ -63,7 +63,7 @@ from common import DaemonStats, ServerProcess, emit_json, temp_dir  # noqa: E402
 from faults.campaign import DaemonSpec  # noqa: E402
 
 from kvstore.block import HEADER_BYTES  # noqa: E402
-from kvstore.processes import HOST, free_port, spawn, stop_process  # noqa: E402
+from kvstore.local.processes import HOST, free_port, spawn, stop_process  # noqa: E402
 
 # SGLang, its kernels, the host pools and server the engine run needs, and the backend.
 PROBED = (

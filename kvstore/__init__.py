@@ -14,11 +14,13 @@ The package, one folder per audience, dependencies running one way (a test,
 ``tests/layout/test_imports.py``, keeps it so)::
 
     kvstore/*.py        the format: errors.py, keys.py, block.py, codec.py, config.py (the
-                        settings loader); and what every layer shares: processes.py
-                        (child processes, free ports), breaker.py (skip a failed backend
-                        until a probe finds it back), throttled_log.py (a line at most
-                        once per interval), tensors.py (is it a tensor, without torch)
+                        settings loader); and what every layer shares: breaker.py (skip a
+                        failed backend until a probe finds it back), throttled_log.py (a
+                        line at most once per interval), tensors.py (is it a tensor,
+                        without torch)
     kvstore/tiers/      the tier kinds, one protocol, one registry, one module per backend
+    kvstore/local/      what kvstore starts for itself: private redis-servers and a Redis
+                        Cluster (the replay's, the benchmarks', the tests'), child processes
     kvstore/store/      the embedded engine: StoreCore and its faces, placement, eviction
     kvstore/wire/       what both ends of a socket agree on: codes, messages, frames, events
     kvstore/server/     the daemon (``kvstore serve``), all of it
@@ -27,6 +29,7 @@ The package, one folder per audience, dependencies running one way (a test,
     kvstore/cli/        the ``kvstore`` command
 
     format  <-  tiers  <-  store  <-  wire  <-  server, client, predictor  <-  cli
+    format  <-  local  <-  predictor (the replay's Redis tier)
 
 This module is the front door: every public name resolves on first use, so
 ``import kvstore.keys`` loads neither the store nor the client.

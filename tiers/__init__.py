@@ -18,10 +18,9 @@
     redis_access.py how the Redis tier reaches its server: addresses, AUTH/ACL, TLS
     redis_masters.py a cluster's masters, each answering for itself (a breaker each)
     redis_routing.py how one batch reaches each master of a Redis Cluster
-    local_redis.py  private redis-server processes (the replay's, the benchmarks', the tests')
-    local_redis_cluster.py  a private Redis Cluster of them (fail-over, slot migration)
 
 A tier neither chooses what to evict nor knows about prefixes: that is the
 store's (``kvstore.store``). May import: the format (``kvstore.errors``,
-``keys``, ``block``, ``config``, ``processes``) and nothing above it.
+``keys``, ``block``, ``config``) and nothing above it. The private redis-servers the
+replay, the benchmarks and the tests start are ``kvstore.local``'s.
 """

@@ -43,7 +43,7 @@ from faults.campaign import (
 )
 from kvstore import Namespace, connect
 from kvstore.keys import chunk_keys
-from kvstore.processes import spawn
+from kvstore.local.processes import spawn
 from kvstore.tiers import shm_segments
 
 NAME = "kill_loop"

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from kvstore.processes import HOST
+from kvstore.local.processes import HOST
 
 # One read from a socket; a queued chunk is at most this long.
 READ_BYTES = 64 << 10

@@ -47,7 +47,7 @@ from faults.campaign import (
 )
 from kvstore import Namespace, connect
 from kvstore.keys import chunk_keys
-from kvstore.tiers.local_redis import RedisServer
+from kvstore.local.redis_server import RedisServer
 
 NAME = "soak"
 NAMESPACE = Namespace("soak", CHAIN_LAYOUT)

@@ -313,7 +313,7 @@ def _redis(redis_gb: float | None) -> Iterator[str | None]:
     if not redis_gb:
         yield None
         return
-    from kvstore.tiers.local_redis import RedisServer
+    from kvstore.local.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server.url

@@ -35,7 +35,7 @@ def store_config(config: ReplayConfig, chunk_tokens: int, directory: Path) -> St
             tiers.append(TierConfig(kind, capacity, path=directory / "lmdb", sync=False))
         else:
             if config.redis_url is None:
-                raise ConfigError("a Redis tier needs a redis_url (tiers.local_redis starts one)")
+                raise ConfigError("a Redis tier needs a redis_url (local.redis_server starts one)")
             prefix = f"kvs-replay-{directory.name}"
             # One host's overflow, kept within --redis-gb by the store: write-back.
             tiers.append(

@@ -17,7 +17,7 @@ from support.http_kv import lookup, make_chain, put, register
 from support.predictor_events import OWN_CLOCK, T0, finished, post, processed, started, stats
 
 from kvstore.keys import Namespace
-from kvstore.tiers.local_redis import RedisServer
+from kvstore.local.redis_server import RedisServer
 
 
 def kvstore(*args: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[str]:

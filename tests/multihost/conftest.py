@@ -36,7 +36,7 @@ from support.netns import Network
 from support.redis_servers import require_redis
 
 from kvstore.keys import Namespace
-from kvstore.tiers.local_redis_cluster import RedisCluster
+from kvstore.local.redis_cluster import RedisCluster
 
 NODE_TIMEOUT_MS = 2000
 

@@ -36,7 +36,7 @@ from support.hosts import (
 from support.netns import Network
 
 from kvstore.keys import Namespace
-from kvstore.tiers.local_redis_cluster import RedisCluster
+from kvstore.local.redis_cluster import RedisCluster
 
 pytestmark = pytest.mark.cluster
 

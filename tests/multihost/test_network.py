@@ -9,7 +9,7 @@ import sys
 import pytest
 from support.netns import Host, Network
 
-from kvstore.tiers.local_redis_cluster import RedisCluster
+from kvstore.local.redis_cluster import RedisCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 from faults.proxy import Fault, FaultProxy
 
-from kvstore.processes import HOST
-from kvstore.tiers.local_redis import RedisServer
+from kvstore.local.processes import HOST
+from kvstore.local.redis_server import RedisServer
 
 TIMEOUT_S = 0.5
 PONG = b"+PONG\r\n"

@@ -22,7 +22,7 @@ from support import http_kv
 from support.daemon import Daemon
 from support.http_kv import Chain, frames_body, get_bytes, lookup, make_chain, put, register
 
-from kvstore.tiers.local_redis import RedisServer
+from kvstore.local.redis_server import RedisServer
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE
 
 # 16 arena slots of 4 KiB: one test chunk (2 KiB + header) per slot.

@@ -28,10 +28,10 @@ from kvstore.block import (
     stored_block,
 )
 from kvstore.errors import CorruptBlock
+from kvstore.local.redis_server import RedisServer
 from kvstore.server.leases import LeaseTable
 from kvstore.server.serving import SharedServing
 from kvstore.store.chunk import chunk_bytes
-from kvstore.tiers.local_redis import RedisServer
 
 DRAM, SSD = TierKind.DRAM, TierKind.SSD
 

@@ -13,7 +13,7 @@ from support import kv
 
 from kvstore import TieredStore, TierKind
 from kvstore.block import HEADER_BYTES
-from kvstore.tiers.local_redis import RedisServer
+from kvstore.local.redis_server import RedisServer
 
 N_CHUNKS = 8
 

@@ -15,7 +15,7 @@ from support.redis_servers import CLUSTER_PASSWORD
 from support.redis_tiers import redis_key
 
 from kvstore import TieredStore, TierKind
-from kvstore.tiers.local_redis import RedisServer
+from kvstore.local.redis_server import RedisServer
 
 DRAM, REDIS = TierKind.DRAM, TierKind.REDIS
 

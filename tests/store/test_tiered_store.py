@@ -24,10 +24,10 @@ from kvstore import (
     UnknownNamespace,
     external_keys,
 )
+from kvstore.local.redis_server import RedisServer
 from kvstore.server.serving import SharedServing
 from kvstore.store.config import StoreConfig
 from kvstore.tiers.dram import DRAMTier
-from kvstore.tiers.local_redis import RedisServer
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
 

@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstore.processes import LIVE, free_port, spawn
+from kvstore.local.processes import LIVE, free_port, spawn
 
 HOST = "127.0.0.1"
 AUTO_TOKEN = "auto"  # token= default: a random token when TCP is on, none otherwise

@@ -39,8 +39,8 @@ import numpy as np
 import kvstore
 from kvstore.client.api import KVClientAPI
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.local.redis_cluster import RedisCluster
 from kvstore.store.chunk import KVChunk
-from kvstore.tiers.local_redis_cluster import RedisCluster
 from support.daemon import Daemon
 from support.redis_tiers import redis_key
 

@@ -2,8 +2,8 @@
 
 No fakes: the Redis tier is tested against the server it will meet in
 production, so timeouts, OOM replies and cluster redirections are the real
-ones. The servers are ``kvstore.tiers.local_redis``'s, which the replay and
-the benchmarks start too; they never outlive the session (``kvstore.processes``).
+ones. The servers are ``kvstore.local.redis_server``'s, which the replay and
+the benchmarks start too; they never outlive the session (``kvstore.local.processes``).
 
 ``redis_server``           session-scoped ``RedisServer``, shared by all tests.
 ``clean_redis``            function-scoped: the same server, restarted if a test
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.tiers.local_redis import REDIS_CLI, REDIS_SERVER, RedisServer, ServerTLS
-from kvstore.tiers.local_redis_cluster import RedisCluster
+from kvstore.local.redis_cluster import RedisCluster
+from kvstore.local.redis_server import REDIS_CLI, REDIS_SERVER, RedisServer, ServerTLS
 
 CLUSTER_PASSWORD = "cluster-secret"
 OPENSSL = shutil.which("openssl")

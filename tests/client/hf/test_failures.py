@@ -22,8 +22,8 @@ from kvstore import CachedPrefix, TierKind
 from kvstore.client.embedded import EmbeddedClient
 from kvstore.client.hf import HFKVStore
 from kvstore.keys import chunk_keys
+from kvstore.local.redis_server import RedisServer
 from kvstore.store.config import StoreConfig
-from kvstore.tiers.local_redis import RedisServer
 from kvstore.tiers.registry import TierConfig
 
 NEW_TOKENS = 6

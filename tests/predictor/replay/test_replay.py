@@ -249,7 +249,7 @@ def test_cli_rejects_an_unknown_policy(
 
 def test_a_redis_tier_runs_on_a_private_server(trace_file: Path) -> None:
     sizing = Sizing(SMALL.hbm_gb, SMALL.dram_gb, 16.5 * SLOT_GB, redis_gb=64.5 * SLOT_GB)
-    from kvstore.tiers.local_redis import RedisServer
+    from kvstore.local.redis_server import RedisServer
 
     with RedisServer() as server:
         url = server.url

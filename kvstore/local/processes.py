@@ -1,6 +1,6 @@
 """Child processes kvstore starts itself, and the loopback ports they listen on.
 
-The replay starts a private ``redis-server`` (``kvstore.tiers.local_redis``),
+The replay starts a private ``redis-server`` (``kvstore.local.redis_server``),
 and so do the benchmarks and the tests, which also start ``kvstore serve``
 daemons. None of them may outlive its parent: every child is started with
 ``spawn`` (or registered in ``LIVE``), so

@@ -2,15 +2,15 @@
 (``--redis-gb``), the benchmarks', and the tests'.
 
 Never the shared ``127.0.0.1:6379``: each server gets a port of its own
-(``kvstore.processes.free_port``), runs without persistence (``--save ''``,
+(``kvstore.local.processes.free_port``), runs without persistence (``--save ''``,
 ``--appendonly no``: a restart comes back empty, which a cache tier must
 survive anyway) and dies with the process that started it
-(``kvstore.processes.spawn``).
+(``kvstore.local.processes.spawn``).
 
 * ``RedisServer``: one standalone server. ``stop()`` and ``start()`` again on
   the same port, so a caller can take Redis away and bring it back;
   ``pause()`` leaves the port open with nobody answering (a hung server).
-* ``RedisCluster`` (``local_redis_cluster``): masters, replicas, fail-over and
+* ``RedisCluster`` (``redis_cluster``): masters, replicas, fail-over and
   slot migration, on servers started here.
 
 Either may be secured: ``password`` starts it with ``--requirepass`` (and
@@ -40,7 +40,7 @@ from types import TracebackType
 from typing import Self
 
 from kvstore.errors import ConfigError, TierUnavailable
-from kvstore.processes import HOST, free_port, spawn, stop_process
+from kvstore.local.processes import HOST, free_port, spawn, stop_process
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")

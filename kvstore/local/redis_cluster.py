@@ -2,7 +2,7 @@
 replicas or none (the default), joined with ``redis-cli --cluster create``, on the
 loopback or on an address that other network namespaces reach. A master can be
 killed for its replica to take over (``fail_over``), and slots migrated to exercise
-``ASK`` and ``MOVED``. Its nodes are ``local_redis.RedisServer``s, secured alike
+``ASK`` and ``MOVED``. Its nodes are ``redis_server.RedisServer``s, secured alike
 (``password``, ``tls``)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from types import TracebackType
 from typing import Self
 
 from kvstore.errors import ConfigError, TierUnavailable
-from kvstore.processes import HOST, free_port
-from kvstore.tiers.local_redis import (
+from kvstore.local.processes import HOST, free_port
+from kvstore.local.redis_server import (
     REDIS_CLI,
     REDIS_INSTALL,
     RedisServer,
