@@ -9,8 +9,8 @@ processes needs two more paths:
   memory; a bytes get sends blocks from where they lie
   (``serve`` / ``read_served`` / ``release_served``);
 * in: received blocks are stored as they came (``put_blocks``), and a put's
-  blocks are copied from the received pieces straight into
-  reserved arena space and verified there (``reserve_dram`` ... ``put_landed``,
+  blocks are written off the socket straight into reserved arena space and
+  verified there (``reserve`` ... ``put_landed``: ``kvstore.store.reservation``,
   driven by ``kvstore.server.landing``).
 
 The daemon builds one ``SharedServing`` over its store's ``StoreCore``
@@ -37,7 +37,7 @@ from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
-from kvstore.store.placement import Reserved
+from kvstore.store.reservation import Filled, Reservation
 from kvstore.tiers.arena_handle import ArenaHandle, SharedDeviceTier
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.dram import DRAMTier
@@ -272,32 +272,33 @@ class SharedServing:
         if served:
             self._core.placement.touch([block.key for block in served])
 
-    def reserve_dram(self, nbytes: int, codec: Codec, protect: frozenset[ChunkKey]) -> int | None:
-        """An extent of the DRAM arena reserved for a received block of ``nbytes`` in
-        ``codec``, evicting for it as a put would (never ``protect``); ``None`` when
-        the block must go the usual way (DRAM is not the fastest tier, stores
-        another codec, or cannot make room). The caller owns the extent until it
-        hands it to ``put_landed`` or gives it back (``unreserve_dram``)."""
+    def reserve(
+        self, nbytes: int, codec: Codec, protect: frozenset[ChunkKey]
+    ) -> Reservation | None:
+        """Space in the DRAM arena for a received block of ``nbytes`` in ``codec``,
+        evicting for it as a put would (never ``protect``); ``None`` when the block must
+        go the usual way (DRAM is not the fastest tier, stores another codec, or cannot
+        make room). The caller fills it and hands it to ``put_landed`` or aborts it."""
         with self._core.lock:
             placement = self._core.placement
+            dram = self._dram()
             if (
                 self._core.closed
-                or self._dram() is None
+                or dram is None
                 or placement.fastest is not TierKind.DRAM
                 or placement.codec(TierKind.DRAM) is not codec
             ):
                 return None
-            return placement.reserve(TierKind.DRAM, nbytes, protect)
+            offset = placement.reserve(TierKind.DRAM, nbytes, protect)
+            if offset is None:
+                return None
+            space = dram.arena.writable(offset, nbytes)
+            return Reservation(TierKind.DRAM, offset, nbytes, space, self)
 
-    def dram_writable(self, offset: int, nbytes: int) -> memoryview:
-        """A writable view of a reserved DRAM extent, for its owner to fill."""
-        dram = self._dram()
-        assert dram is not None, "reserve_dram hands out extents only with a DRAM tier"
-        return dram.arena.writable(offset, nbytes)
-
-    def unreserve_dram(self, offsets: Sequence[int]) -> None:
+    def give_back(self, reservations: Sequence[Reservation]) -> None:
+        """End the reservations still open, their space unused."""
         with self._core.lock:
-            self._core.placement.unreserve(TierKind.DRAM, offsets)
+            self._core.placement.unreserve(TierKind.DRAM, reservations)
 
     def put_blocks(
         self,
@@ -333,30 +334,29 @@ class SharedServing:
         self,
         namespace: Namespace,
         keys: Sequence[ChunkKey],
-        blocks: Sequence[Block | Reserved | None],
+        blocks: Sequence[Block | Filled | None],
         *,
         session: str | None = None,
     ) -> int:
-        """``put_blocks`` for a put some of whose blocks were written into reserved DRAM
-        extents and verified there (``kvstore.server.landing``). Those are published,
-        unless their key is held already (then given back); the others are
-        stored as ``put_blocks`` stores them. Every reservation in ``blocks`` is
+        """``put_blocks`` for a put some of whose blocks were written and verified in
+        reservations (``kvstore.server.landing``). Those are published, unless their
+        key is held already (then given back); the others are stored as
+        ``put_blocks`` stores them. Every reservation in ``blocks`` ends here,
         published or given back, whatever happens."""
-        reserved = [block for block in blocks if isinstance(block, Reserved)]
-        unpublished = {entry.offset for entry in reserved}
+        filled = [block for block in blocks if isinstance(block, Filled)]
+        published: set[ChunkKey] = set()
         try:
-            others = [None if isinstance(block, Reserved) else block for block in blocks]
+            others = [None if isinstance(block, Filled) else block for block in blocks]
             stored = self.put_blocks(namespace, keys, others, session=session)
             core = self._core
             with core.lock:
                 core.check_open()
-                fresh = [entry for entry in reserved if core.needs_storing(namespace, entry.key)]
+                fresh = [entry for entry in filled if core.needs_storing(namespace, entry.key)]
                 published = core.placement.publish(TierKind.DRAM, namespace.digest, fresh, session)
-                unpublished -= {entry.offset for entry in fresh}
                 core.stats.chunks_stored += len(published)
             core.stored(namespace, [entry.key for entry in fresh])
         finally:
-            self.unreserve_dram(sorted(unpublished))
+            self.give_back([entry.reservation for entry in filled])
         return stored + len(published)
 
 

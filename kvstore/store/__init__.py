@@ -7,6 +7,8 @@
     core.py          StoreCore: the lock, index, placement, reader and counters the
                      faces (and the daemon's serving paths) work through
     placement.py     moving blocks between tiers: admission, write-back, promotion
+    reservation.py   space in an arena written before anyone may read it (a daemon's
+                     put lands its blocks there), published or given back
     eviction.py      EvictionPolicy (which block leaves a tier first) and LRU
     index.py         which tiers hold each chunk, its parent, its pins
     reader.py        reading and verifying blocks out of a tier

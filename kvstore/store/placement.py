@@ -28,8 +28,8 @@ Invariants kept here:
 * The index records a copy only after the tier accepted the write, so a
   reader never finds a key whose bytes are not all there.
 * A reserved extent (``reserve``: the daemon writes a block straight into
-  the arena as it arrives, ``kvstore.server.landing``) counts against capacity from
-  the moment it is reserved, and is in the index only once ``publish``ed.
+  the arena as it arrives, ``kvstore.store.reservation``) counts against capacity
+  from the moment it is reserved, and is in the index only once ``publish``ed.
 
 Every method expects the store lock to be held (the store owns it).
 """
@@ -48,6 +48,7 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.index import BlockIndex, BlockMeta
+from kvstore.store.reservation import Filled, Reservation
 from kvstore.store.stats import StoreStats
 from kvstore.throttled_log import ThrottledLog
 from kvstore.tiers.arena_tier import ArenaTier
@@ -63,17 +64,6 @@ class Admission:
     key: ChunkKey
     block: Block
     parent: ChunkKey | None
-
-
-@dataclass(frozen=True, slots=True)
-class Reserved:
-    """A block written into a reserved arena extent and not yet published: its key,
-    parent in the chain, and where it lies (``offset``, ``nbytes``)."""
-
-    key: ChunkKey
-    parent: ChunkKey | None
-    offset: int
-    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,22 +264,26 @@ class Placement:
         return offset
 
     def publish(
-        self, kind: TierKind, namespace: bytes, reserved: Sequence[Reserved], session: str | None
+        self, kind: TierKind, namespace: bytes, filled: Sequence[Filled], session: str | None
     ) -> set[ChunkKey]:
-        """Make reserved, written and verified blocks visible: in the tier's index, then
-        in the store's (the order ``admit`` keeps). Returns their keys."""
-        if not reserved:
+        """Make blocks written and verified in reservations visible: in the tier's index,
+        then in the store's (the order ``admit`` keeps); the reservations end. Returns
+        their keys."""
+        if not filled:
             return set()
         tier = self.tiers[kind].tier
         assert isinstance(tier, ArenaTier), "only arena tiers hand out reservations"
-        tier.publish(namespace, [(entry.key, entry.offset, entry.nbytes) for entry in reserved])
+        spans = [(e.key, e.reservation.offset, e.reservation.nbytes) for e in filled]
+        tier.publish(namespace, spans)
+        for entry in filled:
+            entry.reservation.open = False
         self.record_stored(
             kind,
             namespace,
-            [(entry.key, entry.parent, entry.nbytes) for entry in reserved],
+            [(entry.key, entry.parent, entry.reservation.nbytes) for entry in filled],
             session,
         )
-        return {entry.key for entry in reserved}
+        return {entry.key for entry in filled}
 
     def record_stored(
         self,
@@ -307,12 +301,18 @@ class Placement:
             counters.bytes_written += nbytes
         self._policy.on_access(kind, [key for key, _, _ in stored], session)
 
-    def unreserve(self, kind: TierKind, reserved: Sequence[int]) -> None:
-        """Give back reserved extents (by offset) that will not be published."""
-        if reserved:
+    def unreserve(self, kind: TierKind, reservations: Sequence[Reservation]) -> None:
+        """End the reservations still open without publishing them: their space goes
+        back."""
+        offsets = []
+        for reservation in reservations:
+            if reservation.open:
+                reservation.open = False
+                offsets.append(reservation.offset)
+        if offsets:
             tier = self.tiers[kind].tier
             assert isinstance(tier, ArenaTier), "only arena tiers hand out reservations"
-            tier.unreserve(reserved)
+            tier.unreserve(offsets)
 
     # -- eviction -------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Blocks landing straight in reserved DRAM extents (kvstore/server/landing.py): published only
-on commit, given back on abort or corruption, and room made by eviction."""
+"""Blocks landing straight in reservations of the DRAM arena (kvstore/server/landing.py):
+published only on commit, given back on abort or corruption, room made by eviction, and
+a buffer of their own, verified the same way, when no reservation is to be had."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.server.landing import Landing
 from kvstore.server.serving import SharedServing
 from kvstore.store.chunk import chunk_bytes
-from kvstore.store.placement import Reserved
+from kvstore.store.reservation import Filled
 from kvstore.tiers.kinds import TierKind
 
 DRAM = TierKind.DRAM
@@ -30,7 +31,7 @@ def store(tmp_path: Path):
 
 def _land(
     landing: Landing, index: int, keys: list[ChunkKey], data: bytes, cut: int = 1000
-) -> Reserved | None:
+) -> Block | Filled:
     """Land block ``index`` as the daemon does: its header read first, then its
     payload read off a socket in pieces of at most ``cut`` bytes."""
     parent = keys[index - 1] if index else None
@@ -45,12 +46,12 @@ def _blocks(ns: Namespace, keys: list[ChunkKey], seed: int = 0) -> list[Block]:
     ]
 
 
-def _land_all(landing: Landing, keys: list[ChunkKey], blocks: list[Block]) -> list[Reserved]:
+def _land_all(landing: Landing, keys: list[ChunkKey], blocks: list[Block]) -> list[Filled]:
     landed = []
     for index, block in enumerate(blocks):
-        reserved = _land(landing, index, keys, block.to_bytes())
-        assert reserved is not None
-        landed.append(reserved)
+        filled = _land(landing, index, keys, block.to_bytes())
+        assert isinstance(filled, Filled)
+        landed.append(filled)
     return landed
 
 
@@ -89,16 +90,21 @@ def test_an_aborted_put_leaves_free_space_and_index_as_before(store: TieredStore
     assert store.tier(DRAM).used_bytes() == before[0]
 
 
-def test_a_corrupt_block_gives_its_extent_back(store: TieredStore) -> None:
-    ns = kv.namespace()
-    keys = store.keys_for(ns, kv.tokens(1))
-    data = bytearray(_blocks(ns, keys)[0].to_bytes())
-    data[-1] ^= 0x01
-    landing = Landing(SharedServing(store.core), ns, keys)
-    with pytest.raises(CorruptBlock, match="block 0: checksum mismatch"):
-        _land(landing, 0, keys, bytes(data))
-    assert store.tier(DRAM).used_bytes() == 0
-    assert store.lookup(ns, keys).num_chunks == 0
+@pytest.mark.parametrize("dram", [True, False], ids=["reserved", "own buffer"])
+def test_a_corrupt_block_is_refused_and_gives_its_reservation_back(
+    tmp_path: Path, dram: bool
+) -> None:
+    tiers = [kv.dram(4)] if dram else []
+    with TieredStore(kv.config(*tiers, kv.ssd(tmp_path / "lmdb"))) as store:
+        ns = kv.namespace()
+        keys = store.keys_for(ns, kv.tokens(1))
+        data = bytearray(_blocks(ns, keys)[0].to_bytes())
+        data[-1] ^= 0x01
+        landing = Landing(SharedServing(store.core), ns, keys)
+        with pytest.raises(CorruptBlock, match="block 0: checksum mismatch"):
+            _land(landing, 0, keys, bytes(data))
+        assert not dram or store.tier(DRAM).used_bytes() == 0
+        assert store.lookup(ns, keys).num_chunks == 0
 
 
 def test_a_put_larger_than_free_space_evicts_for_its_reservations(store: TieredStore) -> None:
@@ -118,7 +124,7 @@ def test_a_put_larger_than_free_space_evicts_for_its_reservations(store: TieredS
     assert store.tier(DRAM).used_bytes() == 4 * 4096
 
 
-def test_a_block_with_no_extent_to_be_had_falls_back_to_a_normal_admission(
+def test_a_block_with_no_reservation_to_be_had_lands_in_a_buffer_then_a_normal_admission(
     tmp_path: Path,
 ) -> None:
     with TieredStore(kv.config(kv.ssd(tmp_path / "lmdb"))) as no_dram:
@@ -126,8 +132,11 @@ def test_a_block_with_no_extent_to_be_had_falls_back_to_a_normal_admission(
         keys = no_dram.keys_for(ns, kv.tokens(2))
         blocks = _blocks(ns, keys)
         landing = Landing(SharedServing(no_dram.core), ns, keys)
-        assert _land(landing, 0, keys, blocks[0].to_bytes()) is None
-        assert landing.commit(keys, blocks, None) == 2
+        landed = [_land(landing, i, keys, block.to_bytes()) for i, block in enumerate(blocks)]
+        assert [bytes(block.to_bytes()) for block in landed if isinstance(block, Block)] == [
+            block.to_bytes() for block in blocks
+        ]
+        assert landing.commit(keys, landed, None) == 2
         assert no_dram.lookup(ns, keys).tiers == (SSD, SSD)
 
 
@@ -153,7 +162,8 @@ def test_with_no_tier_below_dram_a_landing_never_evicts() -> None:
         keys = dram_only.keys_for(ns, kv.tokens(1))
         block = _blocks(ns, keys)[0]
         landing = Landing(SharedServing(dram_only.core), ns, keys)
-        assert _land(landing, 0, keys, block.to_bytes()) is None
+        landed = _land(landing, 0, keys, block.to_bytes())
+        assert isinstance(landed, Block)  # in a buffer of its own: no room was made
         assert dram_only.lookup(ns, old_keys).tiers == (DRAM, DRAM)
-        assert landing.commit(keys, [block], None) == 1
+        assert landing.commit(keys, [landed], None) == 1
         assert dram_only.lookup(ns, keys).tiers == (DRAM,)

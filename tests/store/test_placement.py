@@ -6,7 +6,7 @@ These mechanics decide where every block lives; each scenario checks exactly whi
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,8 @@ from kvstore.store.chunk import chunk_bytes
 from kvstore.store.eviction import LRUPolicy
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.index import BlockIndex, BlockMeta
-from kvstore.store.placement import Admission, Placement, Reserved
+from kvstore.store.placement import Admission, Placement
+from kvstore.store.reservation import Filled, Reservation
 from kvstore.store.stats import StoreStats
 from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DRAMTier
@@ -361,20 +362,34 @@ def test_a_reservation_counts_at_once_and_is_indexed_only_once_published(build: 
     stack = build(dram=2, ssd=1 << 20)
     guarded = stack.placement.tiers[DRAM]
     assert isinstance(guarded.tier, DRAMTier)
+    arena = guarded.tier.arena
+
+    class Owner:
+        def give_back(self, reservations: Sequence[Reservation]) -> None:
+            stack.placement.unreserve(DRAM, reservations)
+
+    def reserve(nbytes: int) -> Reservation:
+        offset = stack.placement.reserve(DRAM, nbytes, frozenset())
+        assert offset is not None
+        return Reservation(DRAM, offset, nbytes, arena.writable(offset, nbytes), Owner())
+
     block = stack.admissions(DRAM, A[:1])[0].block
-    offset = stack.placement.reserve(DRAM, block.nbytes, frozenset())
-    assert offset is not None and guarded.used_bytes() == kv.ARENA_SLOT
+    reservation = reserve(block.nbytes)
+    assert guarded.used_bytes() == kv.ARENA_SLOT
     assert A[0] not in stack.index and stack.stored(DRAM, A[:1]) == [False]
-    guarded.tier.arena.writable(offset, block.nbytes)[:] = block.to_bytes()
-    reserved = [Reserved(A[0], None, offset, block.nbytes)]
-    assert stack.placement.publish(DRAM, NS.digest, reserved, "s1") == {A[0]}
+    reservation.view()[:] = block.to_bytes()
+    filled = [Filled(A[0], None, reservation)]
+    assert stack.placement.publish(DRAM, NS.digest, filled, "s1") == {A[0]}
+    assert not reservation.open
+    reservation.abort()  # published: nothing to give back
     assert stack.meta(A[0]) == BlockMeta(NS.digest, None, {DRAM: BLOCK_BYTES}, 0, "s1")
     assert guarded.get_many(NS.digest, A[:1]) == [block.to_bytes()]
     assert stack.stats.tier(DRAM).bytes_written == BLOCK_BYTES
     assert list(stack.policy.victims(DRAM)) == [A[0]]
-    spare = stack.placement.reserve(DRAM, BLOCK_BYTES, frozenset())
-    assert spare is not None and guarded.used_bytes() == 2 * kv.ARENA_SLOT
-    stack.placement.unreserve(DRAM, [spare])
+    spare = reserve(BLOCK_BYTES)
+    assert guarded.used_bytes() == 2 * kv.ARENA_SLOT
+    spare.abort()
+    spare.abort()  # once only
     assert guarded.used_bytes() == kv.ARENA_SLOT and stack.index.count(DRAM) == 1
 
 

@@ -91,8 +91,11 @@ def request(name: str, prompt_blocks: int, session: str) -> SimpleNamespace:
 
 
 def test_events_go_out_in_order_and_close_sends_what_is_still_queued(
-    daemon_factory: Callable[..., Daemon],
+    daemon_factory: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # close waits CLOSE_WAIT_S for the queue: here long enough for a busy machine to send
+    # all 100, since what is tested is that it sends them, in order, not how fast.
+    monkeypatch.setattr(sessions, "CLOSE_WAIT_S", 60.0)
     daemon = daemon_factory()
     with kvstore.connect(daemon.url) as client:
         events = SessionEvents(client, PAGES)
@@ -161,6 +164,7 @@ def test_a_full_queue_drops_the_newest_events_with_one_warning_and_never_blocks(
     """The daemon stopped: one event hangs in its send, ``QUEUE_EVENTS`` wait behind it,
     and the rest are dropped at once; once it answers again, exactly those arrive."""
     monkeypatch.setattr(sessions, "QUEUE_EVENTS", 4)
+    monkeypatch.setattr(sessions, "CLOSE_WAIT_S", 60.0)  # close sends all 5, however busy
     daemon = daemon_factory()
     assert daemon.proc is not None
     with kvstore.connect(daemon.url, timeout_s=10.0) as client:
