@@ -11,9 +11,8 @@ The whole daemon, one module per job::
     get_frames.py      a bytes get's frames, sent from where each block lies
     put.py             POST /v1/put: a frames body received, verified whole, stored
     borrowed_body.py   a put's body read off the connection, past aiohttp
-    landing.py         a put's blocks written straight into reserved DRAM extents
-    serving.py         SharedServing: shared-memory gets and landed puts, over the
-                       store's StoreCore (its public members only)
+    landing.py         a put's blocks received and verified in one place, straight into
+                       the store's reservations (or a buffer of their own)
     leases.py          shared-memory leases: pins given back exactly once
     event_log.py       the ring of recent session events
     metrics.py         a Prometheus registry per app; store counters read at scrape time

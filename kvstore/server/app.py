@@ -49,7 +49,6 @@ from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
 from kvstore.server.request_log import AIOHTTP_LOG, refused
 from kvstore.server.routes import add_routes
-from kvstore.server.serving import SharedServing
 from kvstore.server.state import (
     EVENTS,
     LEASES,
@@ -61,8 +60,8 @@ from kvstore.server.state import (
     DaemonState,
 )
 from kvstore.server.status_page import PAGE_PATHS, add_status_page
+from kvstore.store.shared import SharedServing
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire.codes import ERRORS, ErrorCode, WireError, error_body, error_code_of
 from kvstore.wire.events import MAX_SESSION_CHARS
@@ -101,7 +100,7 @@ def create_app(
             "logger": AIOHTTP_LOG,
         },
     )
-    serving = SharedServing(store.core)
+    serving = store.serving()
     leases = LeaseTable(serving, ttl_s=config.lease_ttl_s, max_leases=config.max_leases)
     app[STORE] = store
     app[SERVING] = serving
@@ -326,20 +325,20 @@ async def stats(request: web.Request) -> web.Response:
                 "listening": state.listening,
                 "shared_memory": request.app[SERVING].shared_memory_name,
                 "draining": state.draining,
-                **_prefault_stats(store),
+                **_prefault_stats(request.app[SERVING]),
             },
         }
     )
 
 
-def _prefault_stats(store: TieredStore) -> dict[str, Any]:
-    """How far the DRAM arena's pages are populated (``tiers.prefault``), if they are
-    being populated at all: an operator sees why the daemon's memory grows at start."""
-    dram = store.tier(TierKind.DRAM) if TierKind.DRAM in store.tier_kinds else None
-    prefault = dram.arena.prefault if isinstance(dram, DRAMTier) else None
+def _prefault_stats(serving: SharedServing) -> dict[str, Any]:
+    """How far the DRAM arena's pages are populated, if they are being populated at
+    all: an operator sees why the daemon's memory grows at start."""
+    prefault = serving.dram_prefault()
     if prefault is None:
         return {}
-    return {"dram_prefault": {"populated_bytes": prefault.populated_bytes, "done": prefault.done}}
+    populated, done = prefault
+    return {"dram_prefault": {"populated_bytes": populated, "done": done}}
 
 
 async def session_info(request: web.Request) -> web.Response:

@@ -29,8 +29,8 @@ from aiohttp import web
 
 from kvstore.block import HEADER_BYTES
 from kvstore.server.connection import connection_socket
-from kvstore.server.serving import ServedGet, SharedServing
 from kvstore.store.reader import VERIFY_WINDOW_BYTES
+from kvstore.store.shared import ServedGet, SharedServing
 from kvstore.wire.body import UNIX_SEND_BUFFER_BYTES
 from kvstore.wire.frames import FRAMES_CONTENT_TYPE, encode_frames
 

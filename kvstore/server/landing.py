@@ -61,8 +61,8 @@ from kvstore.block import (
 from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch, PutAborted
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.server.serving import SharedServing
 from kvstore.store.reservation import Filled, Reservation
+from kvstore.store.shared import SharedServing
 from kvstore.wire.frames import Seal
 
 

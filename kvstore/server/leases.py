@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.server.serving import SharedBlock, SharedServing
+from kvstore.store.shared import SharedBlock, SharedServing
 from kvstore.wire.codes import ErrorCode, WireError
 
 

@@ -62,9 +62,9 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.server.borrowed_body import BodyTimeLimit, SocketBody, borrow
 from kvstore.server.connection import is_local
 from kvstore.server.landing import Landing
-from kvstore.server.serving import SharedServing
 from kvstore.server.state import PREDICTOR, SERVING, STATE
 from kvstore.store.reservation import Filled
+from kvstore.store.shared import SharedServing
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.events import MAX_SESSION_CHARS
 from kvstore.wire.frames import (

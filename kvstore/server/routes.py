@@ -29,8 +29,8 @@ from kvstore.server.get_frames import send_served
 from kvstore.server.leases import Lease, LeaseTable
 from kvstore.server.metrics import EventRejection
 from kvstore.server.put import put
-from kvstore.server.serving import ServedGet, SharedBlock, SharedServing
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, SERVING, STATE, STORE
+from kvstore.store.shared import ServedGet, SharedBlock, SharedServing
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
 from kvstore.wire import strict_json

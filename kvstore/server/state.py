@@ -3,7 +3,7 @@
 ::
 
     app[STORE]    TieredStore     the store; opened and closed by the Server, not the app
-    app[SERVING]  SharedServing   the daemon's paths into the store's core (shm, landed puts)
+    app[SERVING]  SharedServing   what other processes may do with its blocks (shm, landed puts)
     app[LEASES]   LeaseTable      shared-memory leases; its expiry task lives in cleanup_ctx
     app[EVENTS]   EventLog        recent session events, a record for operators and tests
     app[METRICS]  DaemonMetrics   this app's own Prometheus registry
@@ -29,7 +29,7 @@ from kvstore.server.config import DaemonConfig
 from kvstore.server.event_log import EventLog
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import DaemonMetrics
-from kvstore.server.serving import SharedServing
+from kvstore.store.shared import SharedServing
 from kvstore.store.tiered_store import TieredStore
 
 

@@ -4,8 +4,11 @@
 
     tiered_store.py  TieredStore: the embedded store's methods (lookup, put, get, ...)
     async_store.py   AsyncTieredStore: the same methods, awaitable
-    core.py          StoreCore: the lock, index, placement, reader and counters the
-                     faces (and the daemon's serving paths) work through
+    core.py          StoreCore: one store's state and the steps its faces share
+    state.py         StoreState: the lock, index, placement and counters, which only
+                     this folder's modules touch
+    shared.py        SharedServing: what other processes may do with the blocks
+                     through a daemon (shared-memory gets, landed puts)
     placement.py     moving blocks between tiers: admission, write-back, promotion
     reservation.py   space in an arena written before anyone may read it (a daemon's
                      put lands its blocks there), published or given back

@@ -1,25 +1,20 @@
-"""``StoreCore``: the state behind every face of one store, and the steps they share.
+"""``StoreCore``: one store's state, and the steps its faces share.
 
 ::
 
-    TieredStore ──┐                      ┌── index      which tiers hold each chunk
-    AsyncTiered ──┼──► StoreCore ── lock ┼── placement  admission, eviction, promotion
-    (daemon's     │    (one per store)   ├── reader     verified reads out of a tier
-     SharedServing┘                      └── stats      the counters
+    TieredStore ──┐                       ┌── index      which tiers hold each chunk
+    AsyncTiered ──┼──► StoreCore ── state ┼── placement  admission, eviction, promotion
+    SharedServing ┤    (one per store)    ├── stats      the counters
+    Maintenance ──┘                       └── lock       guarding the three
+                       + reader (verified reads out of a tier), write-through
 
-The faces (``TieredStore``, and through it ``AsyncTieredStore``) and the
-daemon's serving paths (``kvstore.server.serving``) all work through this
-object's public members; none of them touches another's internals. What a
-face adds is its method's shape (arguments, validation, what it returns and
+The faces (``TieredStore``, and through it ``AsyncTieredStore``; ``SharedServing``,
+what other processes may do through a daemon; ``Maintenance``) work through
+this object's methods and its ``state`` (``kvstore.store.state``: who owns what,
+and the rule that nothing outside ``kvstore/store`` touches it). What a face
+adds is its method's shape (arguments, validation, what it returns and
 counts); the steps more than one of them needs (locate, read, store a chain,
 record hits) are here, once.
-
-Ownership: ``lock`` guards ``index``, ``placement`` (and through it the
-eviction policy and the tiers' accounting), ``stats`` and the namespace
-table, and serialises every path that moves blocks. A caller takes it for
-as short a time as it can: reads take it to pin and to record, and copy the
-bytes with it released; a pinned block is never an eviction victim, so a
-read in progress cannot lose its block.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ from kvstore.store.guarded import GuardedTier
 from kvstore.store.index import BlockIndex, RecentMisses
 from kvstore.store.placement import Admission, Placement
 from kvstore.store.reader import BlockReader
+from kvstore.store.state import StoreState
 from kvstore.store.stats import StoreStats
 from kvstore.store.write_through import WriteThrough
 from kvstore.tiers.kinds import TierKind
@@ -58,18 +54,18 @@ class StoreCore:
     def __init__(self, config: StoreConfig, policy: EvictionPolicy | None = None) -> None:
         self.config = config
         # Guards everything below; re-entrant, as policies call back into the store.
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         # Mutated with ``lock`` held (the lookup counters with ``_lookup_counts_lock``, as
         # a lookup takes no other: ``count_lookup``); ``snapshot`` copies them for readers.
-        self.stats = StoreStats()
+        self._stats = StoreStats()
         self._lookup_counts_lock = threading.Lock()
         # Mutated only by ``placement`` and this class, with ``lock`` held; a lookup reads
         # it without (``BlockIndex.fastest``).
-        self.index = BlockIndex()
+        self._index = BlockIndex()
         # Keys a shared tier said it lacks, for ``config.shared_miss_ttl_s``; under ``lock``.
-        self.shared_misses = RecentMisses(config.shared_miss_ttl_s)
+        self._shared_misses = RecentMisses(config.shared_miss_ttl_s)
         # Owns the checksum worker thread; safe to call without the lock.
-        self.reader = BlockReader()
+        self._reader = BlockReader()
         self._namespaces: dict[bytes, Namespace] = {}  # digest -> namespace; under ``lock``
         # digest -> when last named (a tick of ``_uses``); written without the lock, as a
         # dict assignment is atomic, and read under it to pick the namespace to forget.
@@ -81,38 +77,39 @@ class StoreCore:
         breaker = BreakerConfig(config.breaker_min_open_s, config.breaker_max_open_s)
         try:
             for tier_config in config.tiers:
-                counters = self.stats.tier(tier_config.kind)
+                counters = self._stats.tier(tier_config.kind)
                 codecs[tier_config.kind] = CodecSpec.parse(tier_config.codec)
                 tier = open_tier(tier_config)
                 counters.capacity_bytes = tier.capacity_bytes()  # a tier may size down
-                tiers[tier_config.kind] = GuardedTier(tier, counters, self.lock, breaker)
+                tiers[tier_config.kind] = GuardedTier(tier, counters, self._lock, breaker)
         except BaseException:
             for opened in tiers.values():
                 opened.close()
             raise
         # Only a shared tier may write through (``TierConfig``): its servers own its capacity.
         server_owned = frozenset(t.kind for t in config.tiers if t.writes_through)
-        self.placement = Placement(
+        self._placement = Placement(
             tiers,
             codecs,
-            self.index,
+            self._index,
             policy if policy is not None else LRUPolicy(),
-            self.stats,
+            self._stats,
             server_owned,
         )
         self.has_shared_tier = any(kind.shared for kind in tiers)
         for kind, guarded in tiers.items():
             if kind.shared and guarded.check() and kind in server_owned:  # remote: is it there?
                 _check_eviction(guarded)
+        self.state = StoreState(self._lock, self._index, self._placement, self._stats)
         if config.scan_on_open:
-            with self.lock:
-                self.placement.rebuild_index()
+            with self._lock:
+                self._placement.rebuild_index()
         # Shared tiers a put is copied to (``kvstore.store.write_through``), each by its
         # own thread; never the fastest tier, which a put writes itself.
-        self.write_through = [
-            WriteThrough(t.kind, self.lock, self.index, self.placement, self.stats, t.write_queue)
+        self._write_through = [
+            WriteThrough(t.kind, self.state, t.write_queue)
             for t in config.tiers
-            if t.kind in server_owned and t.kind != self.placement.fastest
+            if t.kind in server_owned and t.kind != self._placement.fastest
         ]
 
     # -- namespaces and keys ----------------------------------------------------
@@ -122,7 +119,7 @@ class StoreCore:
         ``limit``, a table that holds that many already forgets the namespace named least
         recently, which is returned: its blocks stay where they are, and a client that
         names it again is told it is unknown and registers it again (``kvstore.client``)."""
-        with self.lock:
+        with self._lock:
             self._last_used[namespace.digest] = next(self._uses)
             if namespace.digest in self._namespaces:
                 return None
@@ -131,7 +128,7 @@ class StoreCore:
                 digest = min(self._namespaces, key=lambda d: self._last_used.get(d, -1))
                 forgotten = self._namespaces.pop(digest)
                 self._last_used.pop(digest, None)
-                self.stats.namespaces_forgotten += 1
+                self._stats.namespaces_forgotten += 1
             self._namespaces[namespace.digest] = namespace
             return forgotten
 
@@ -145,7 +142,7 @@ class StoreCore:
         return namespace
 
     def registered_namespaces(self) -> list[Namespace]:
-        with self.lock:
+        with self._lock:
             return list(self._namespaces.values())
 
     def chain(
@@ -193,10 +190,10 @@ class StoreCore:
         self.register(namespace)
         keys = list(keys)
         self.check_lookup(len(keys))
-        with self.lock:
+        with self._lock:
             self.check_open()
-            located = self.index.fastest(keys)
-        for kind in self.placement.order:
+            located = self._index.fastest(keys)
+        for kind in self._placement.order:
             if kind.shared:
                 self._confirm_shared(kind, namespace, keys, located)
         return located
@@ -214,15 +211,15 @@ class StoreCore:
         self._last_used[digest] = next(self._uses)
         self.check_lookup(len(keys))
         self.check_open()
-        return self.index.fastest(keys)
+        return self._index.fastest(keys)
 
     def count_lookup(self, namespace: Namespace, keys: int, hits: int) -> None:
         """Count a lookup of ``keys`` keys whose leading ``hits`` are cached (under a lock
         of its own: a lookup does not take the store's)."""
         with self._lookup_counts_lock:
-            self.stats.lookups += 1
-            self.stats.lookup_tokens += keys * namespace.chunk_tokens
-            self.stats.lookup_hit_tokens += hits * namespace.chunk_tokens
+            self._stats.lookups += 1
+            self._stats.lookup_tokens += keys * namespace.chunk_tokens
+            self._stats.lookup_hit_tokens += hits * namespace.chunk_tokens
 
     def _confirm_shared(
         self,
@@ -241,16 +238,16 @@ class StoreCore:
         confirms nothing: its keys count as not cached.
         """
         now = time.monotonic()
-        with self.lock:
+        with self._lock:
             asked = [
                 i
                 for i, tier in enumerate(located)
                 if tier is kind
-                or (tier is None and not self.shared_misses.missed(kind, keys[i], now))
+                or (tier is None and not self._shared_misses.missed(kind, keys[i], now))
             ]
         if not asked:
             return
-        tier = self.placement.tiers[kind]
+        tier = self._placement.tiers[kind]
         present = tier.contains_many(namespace.digest, [keys[i] for i in asked])
         lost: list[ChunkKey] = []
         absent: list[ChunkKey] = []
@@ -265,10 +262,10 @@ class StoreCore:
             if present is not None:
                 absent.append(keys[index])
         if lost or absent:
-            with self.lock:
+            with self._lock:
                 for key in lost:
-                    self.placement.unindex(kind, key)
-                self.shared_misses.add(kind, absent, now)
+                    self._placement.unindex(kind, key)
+                self._shared_misses.add(kind, absent, now)
 
     # -- writing ----------------------------------------------------------------
 
@@ -278,7 +275,7 @@ class StoreCore:
 
         A delete waiting on the key's pins (``TieredStore.delete``) is called off:
         the put wants the block kept, and the copy held is the same content."""
-        meta = self.index.get(key)
+        meta = self._index.get(key)
         if meta is not None:
             meta.deleted = False
         fastest = meta.fastest if meta is not None else None
@@ -300,8 +297,8 @@ class StoreCore:
         ``chain`` may start mid-way, at the parent of its first new block: what is
         touched and kept from eviction is its whole prefix (``BlockIndex.lineage``),
         so a parent stays at least as recent as its child either way."""
-        placement = self.placement
-        with self.lock:
+        placement = self._placement
+        with self._lock:
             self.check_open()
             admissions = []
             for index in present:
@@ -309,7 +306,7 @@ class StoreCore:
                     continue
                 parent = chain[index - 1] if index else None
                 admissions.append(Admission(chain[index], frame(index, parent), parent))
-            prefix = self.index.lineage(chain)
+            prefix = self._index.lineage(chain)
             # Touch the cached part of the chain first so its blocks are the
             # most recent while the new blocks make room.
             placement.touch(prefix, session)
@@ -321,22 +318,27 @@ class StoreCore:
                 protect=frozenset(prefix),
             )
             placement.touch(prefix, session)
-            self.stats.puts += 1
-            self.stats.chunks_stored += len(stored)
-            self.stats.puts_dropped += len(admissions) - len(stored)
-            self.shared_misses.forget(stored)
+            self._stats.puts += 1
+            self._stats.chunks_stored += len(stored)
+            self._stats.puts_dropped += len(admissions) - len(stored)
+            self._shared_misses.forget(stored)
         self.stored(namespace, [a.key for a in admissions if a.key in stored])
         return len(stored)
 
     def stored(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> None:
         """A put stored ``keys`` (in chain order): queue their write-through copies."""
-        for writer in self.write_through:
+        for writer in self._write_through:
             writer.offer(namespace.digest, keys)
+
+    def write_through_pending(self, kind: TierKind) -> int | None:
+        """Copies queued for shared tier ``kind`` (``None``: it is not written through)."""
+        writer = next((w for w in self._write_through if w.kind is kind), None)
+        return None if writer is None else writer.pending
 
     def drain_write_through(self, deadline: float | None = None) -> bool:
         """Wait until every queued write-through copy is made, or until ``deadline``
         (``time.monotonic``); whether they all were."""
-        return all([writer.drain(deadline) for writer in self.write_through])
+        return all([writer.drain(deadline) for writer in self._write_through])
 
     # -- reading ----------------------------------------------------------------
 
@@ -349,15 +351,15 @@ class StoreCore:
         """Read each key from the fastest tier that serves a good copy, pinned meanwhile
         (into ``payloads`` when given). Counts tier hits, not the get."""
         results: list[KVChunk | None] = [None] * len(keys)
-        with self.lock:
+        with self._lock:
             self.check_open()
-            pinned = self.index.pin(keys)
+            pinned = self._index.pin(keys)
         try:
-            for kind in self.placement.order:
+            for kind in self._placement.order:
                 self._read_from(kind, namespace, keys, results, payloads)
         finally:
-            with self.lock:
-                self.placement.unpin(pinned)
+            with self._lock:
+                self._placement.unpin(pinned)
         return results
 
     def _read_from(
@@ -369,39 +371,39 @@ class StoreCore:
         payloads: Sequence[np.ndarray] | None,
     ) -> None:
         """Fill the still-missing ``results`` that tier ``kind`` can serve."""
-        with self.lock:
+        with self._lock:
             wanted = [
                 i
                 for i, key in enumerate(keys)
-                if results[i] is None and self.index.may_hold(kind, key)
+                if results[i] is None and self._index.may_hold(kind, key)
             ]
         if not wanted:
             return
-        tier = self.placement.tiers[kind]
+        tier = self._placement.tiers[kind]
         if payloads is None:
-            outcome = self.reader.read(tier, namespace, keys, wanted)
+            outcome = self._reader.read(tier, namespace, keys, wanted)
         else:
             targets = [payloads[i] for i in wanted]
-            outcome = self.reader.read_into(tier, namespace, keys, wanted, targets)
+            outcome = self._reader.read_into(tier, namespace, keys, wanted, targets)
         for index, chunk in outcome.chunks:
             results[index] = chunk
-        with self.lock:
-            counters = self.stats.tier(kind)
+        with self._lock:
+            counters = self._stats.tier(kind)
             counters.hits += len(outcome.chunks)
             counters.bytes_read += outcome.bytes_read
             counters.corrupt_blocks += len(outcome.bad)
             for key in outcome.bad:
-                self.placement.forget(kind, namespace.digest, key)
+                self._placement.forget(kind, namespace.digest, key)
             for key in outcome.absent:
-                if self.index.holds(kind, key):  # vanished: nothing there to delete
-                    self.placement.unindex(kind, key)
+                if self._index.holds(kind, key):  # vanished: nothing there to delete
+                    self._placement.unindex(kind, key)
 
     def after_hits(
         self, namespace: Namespace, keys: list[ChunkKey], results: Sequence[KVChunk | None]
     ) -> None:
         """Index blocks found in a shared tier, promote lower-tier hits, update recency.
         Lock held."""
-        placement = self.placement
+        placement = self._placement
         top = placement.fastest
         promotions: list[Admission] = []
         hits: list[ChunkKey] = []
@@ -409,9 +411,9 @@ class StoreCore:
             if chunk is None:
                 continue
             hits.append(key)
-            meta = self.index.get(key)
+            meta = self._index.get(key)
             if meta is None:
-                meta = self.index.record(
+                meta = self._index.record(
                     chunk.tier, key, namespace.digest, None, HEADER_BYTES + chunk.payload.nbytes
                 )
             if self.config.promote_on_hit and chunk.tier != top and top not in meta.sizes:
@@ -427,13 +429,13 @@ class StoreCore:
 
     def close(self) -> None:
         """Close the reader and every tier (idempotent)."""
-        for writer in self.write_through:
+        for writer in self._write_through:
             writer.close(deadline=time.monotonic())  # what is queued still has local copies
-        with self.lock:
+        with self._lock:
             if not self._closed:
                 self._closed = True
-                self.reader.close()
-                for tier in self.placement.tiers.values():
+                self._reader.close()
+                for tier in self._placement.tiers.values():
                     tier.close()
 
 

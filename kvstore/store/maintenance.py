@@ -11,7 +11,7 @@ foreground reads and writes interleave with it.
   persistent tier, so that a daemon's cache survives a restart.
 
 ``Maintenance`` owns the optional scrubber thread; the store's ``StoreCore``
-owns everything else (lock, index, placement, counters) and lends it here.
+owns everything else and lends its ``state`` here (``kvstore.store.state``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ class Maintenance:
     """Scrub and flush over a store's tiers, and the periodic scrubber thread."""
 
     def __init__(self, core: StoreCore, scrub_interval_s: float | None) -> None:
-        self._lock = core.lock
-        self._index = core.index
-        self._placement = core.placement
-        self._stats = core.stats
+        self._lock = core.state.lock
+        self._index = core.state.index
+        self._placement = core.state.placement
+        self._stats = core.state.stats
         self._check_open = core.check_open
         self._interval = scrub_interval_s
         self._stop = threading.Event()

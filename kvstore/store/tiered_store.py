@@ -17,18 +17,20 @@ Placement, in one picture (fastest tier first)::
 * A tier that is down costs a miss, never an exception out of ``lookup`` or
   ``get`` (``kvstore.store.guarded``).
 
-Concurrency: one re-entrant lock (``StoreCore.lock``) guards the index, the
+Concurrency: one re-entrant lock (``StoreState.lock``) guards the index, the
 policy and the counters, and serialises the paths that move blocks
 (admission, eviction, promotion, delete). Reads take the lock only to pin
 what they read and to record the outcome; the bytes are copied out with the
 lock released, and a pinned block is never an eviction victim, so a read in
-progress cannot have its block demoted from under it. ``core`` is the state
-this face works through, shared with the daemon's serving paths.
+progress cannot have its block demoted from under it. The core and its state
+are this face's, shared with the store's other faces (``serving``: what other
+processes may do through a daemon) and with nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -44,7 +46,8 @@ from kvstore.store.index import BlockMeta
 from kvstore.store.maintenance import Maintenance
 from kvstore.store.out_buffers import OutBuffers, host_arrays
 from kvstore.store.placement import Admission
-from kvstore.store.stats import NamespaceEviction, NamespaceUsage, StoreStats
+from kvstore.store.shared import SharedServing
+from kvstore.store.stats import NamespaceEviction, NamespaceUsage, StoreStats, TierCounters
 from kvstore.tiers.base import Tier
 from kvstore.tiers.kinds import TierKind
 
@@ -60,12 +63,13 @@ class TieredStore(Closing):
         *,
         policy: EvictionPolicy | None = None,
     ) -> None:
-        self.core = StoreCore(config if config is not None else StoreConfig.from_env(), policy)
-        self._maintenance = Maintenance(self.core, self.core.config.scrub_interval_s)
+        self._core = StoreCore(config if config is not None else StoreConfig.from_env(), policy)
+        self._state = self._core.state
+        self._maintenance = Maintenance(self._core, self._core.config.scrub_interval_s)
 
     @property
     def config(self) -> StoreConfig:
-        return self.core.config
+        return self._core.config
 
     # -- namespaces -------------------------------------------------------
 
@@ -73,14 +77,14 @@ class TieredStore(Closing):
         """Make ``namespace`` known (done implicitly by every call that takes one); with
         ``limit``, forget the least recently named one first when that many are known, and
         return it (``StoreCore.register``)."""
-        return self.core.register(namespace, limit)
+        return self._core.register(namespace, limit)
 
     def namespace(self, digest: bytes) -> Namespace:
         """The registered namespace with this digest; ``UnknownNamespace`` otherwise."""
-        return self.core.namespace(digest)
+        return self._core.namespace(digest)
 
     def registered_namespaces(self) -> list[Namespace]:
-        return self.core.registered_namespaces()
+        return self._core.registered_namespaces()
 
     def keys_for(self, namespace: Namespace, tokens_or_keys: TokensOrKeys) -> list[ChunkKey]:
         """Chunk keys of a token sequence, or the given keys checked (``keys.keys_of``)."""
@@ -100,7 +104,7 @@ class TieredStore(Closing):
     ) -> CachedPrefix:
         """The lookup's answer from where each key is (``locate``), counted."""
         run = next((i for i, tier in enumerate(located) if tier is None), len(keys))
-        self.core.count_lookup(namespace, len(keys), run)
+        self._core.count_lookup(namespace, len(keys), run)
         tiers = tuple(tier for tier in located[:run] if tier is not None)
         return CachedPrefix(
             chunk_tokens=namespace.chunk_tokens,
@@ -108,7 +112,7 @@ class TieredStore(Closing):
             tiers=tiers,
             total_chunks=len(keys),
             load_chunks=self.config.costs.load_run(
-                tiers, namespace.chunk_tokens, self.core.bytes_per_token(namespace)
+                tiers, namespace.chunk_tokens, self._core.bytes_per_token(namespace)
             ),
         )
 
@@ -116,7 +120,7 @@ class TieredStore(Closing):
         """The fastest tier holding each key, or ``None``: every key, not only the
         leading run, and nothing counted as a lookup (the daemon uses it to tell a
         block that is elsewhere from one that is missing)."""
-        return self.core.locate(namespace, keys)
+        return self._core.locate(namespace, keys)
 
     def lookup_nowait(
         self, namespace: Namespace, tokens_or_keys: TokensOrKeys
@@ -130,7 +134,7 @@ class TieredStore(Closing):
         eviction or a long put holds, nor for a thread to run it on.
         """
         keys = self.keys_for(namespace, tokens_or_keys)
-        located = self.core.locate_local(namespace, keys)
+        located = self._core.locate_local(namespace, keys)
         return None if located is None else self._prefix(namespace, keys, located)
 
     # -- put --------------------------------------------------------------
@@ -154,20 +158,20 @@ class TieredStore(Closing):
         puts them where loading pays.
         """
         self.register(namespace)
-        chain = self.core.chain(namespace, tokens_or_keys, len(kv_chunks))
+        chain = self._core.chain(namespace, tokens_or_keys, len(kv_chunks))
         payloads = {
             index: chunk_bytes(chunk, namespace.layout)
             for index, chunk in enumerate(kv_chunks)
             if chunk is not None
         }
-        placement = self.core.placement
+        placement = self._state.placement
 
         def frame(index: int, parent: ChunkKey | None) -> Block:
             return placement.encode(
                 namespace, chain[index], parent, payloads[index], placement.fastest
             )
 
-        return self.core.store_chain(namespace, chain, list(payloads), frame, session)
+        return self._core.store_chain(namespace, chain, list(payloads), frame, session)
 
     # -- get --------------------------------------------------------------
 
@@ -191,13 +195,13 @@ class TieredStore(Closing):
         """
         self.register(namespace)
         keys = list(keys)
-        self.core.check_batch(len(keys))
+        self._core.check_batch(len(keys))
         buffers = None if out is None else OutBuffers.of(out, namespace.layout, len(keys))
-        results = self.core.read(namespace, keys, host_arrays(buffers))
-        with self.core.lock:
-            self.core.stats.gets += 1
-            self.core.stats.get_misses += sum(1 for chunk in results if chunk is None)
-            self.core.after_hits(namespace, keys, results)
+        results = self._core.read(namespace, keys, host_arrays(buffers))
+        with self._state.lock:
+            self._state.stats.gets += 1
+            self._state.stats.get_misses += sum(1 for chunk in results if chunk is None)
+            self._core.after_hits(namespace, keys, results)
         return results if buffers is None else buffers.deliver(results)
 
     # -- explicit movement ------------------------------------------------
@@ -214,13 +218,13 @@ class TieredStore(Closing):
         is already held there; a key already no faster than ``to`` does not
         count. A ``to`` below every configured tier drops the keys.
         """
-        placement = self.core.placement
+        placement = self._state.placement
         target = None if to is None else next((k for k in placement.order if k >= to), None)
         moved = 0
-        with self.core.lock:
-            self.core.check_open()
+        with self._state.lock:
+            self._core.check_open()
             for key in keys:
-                meta = self.core.index.get(key)
+                meta = self._state.index.get(key)
                 if meta is None or meta.namespace != namespace.digest or meta.pins:
                     continue
                 fastest = meta.fastest
@@ -240,14 +244,14 @@ class TieredStore(Closing):
         self, namespace: Namespace, keys: Sequence[ChunkKey], to: TierKind | None = None
     ) -> int:
         """Copy each key up to tier ``to`` (default: the fastest). Returns how many moved."""
-        placement = self.core.placement
+        placement = self._state.placement
         target = to if to is not None else placement.fastest
         keys = list(keys)
-        chunks = self.core.read(namespace, keys)
+        chunks = self._core.read(namespace, keys)
         admissions: list[Admission] = []
-        with self.core.lock:
+        with self._state.lock:
             for key, chunk in zip(keys, chunks, strict=True):
-                meta = self.core.index.get(key)
+                meta = self._state.index.get(key)
                 if chunk is None or meta is None or target in meta.sizes or chunk.tier < target:
                     continue
                 block = placement.encode(namespace, key, meta.parent, chunk.payload, target)
@@ -262,16 +266,16 @@ class TieredStore(Closing):
         A block copied down early leaves its fast tier without a write when it is
         evicted: a policy that expects to give a tier up soon does this while nobody
         waits, rather than on the clock of the request that needs the room."""
-        placement = self.core.placement
+        placement = self._state.placement
         target = next((kind for kind in placement.order if kind >= to), None)
         if target is None:
             return 0
         keys = list(keys)
-        with self.core.lock:
-            self.core.check_open()
+        with self._state.lock:
+            self._core.check_open()
             by_tier: dict[TierKind, list[tuple[ChunkKey, BlockMeta]]] = {}
             for key in keys:
-                meta = self.core.index.get(key)
+                meta = self._state.index.get(key)
                 if meta is None or meta.namespace != namespace.digest or target in meta.sizes:
                     continue
                 fastest = meta.fastest
@@ -283,12 +287,12 @@ class TieredStore(Closing):
 
     def pin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
         """Protect keys from eviction until ``unpin``; returns how many were found."""
-        with self.core.lock:
-            return len(self.core.index.pin(keys))
+        with self._state.lock:
+            return len(self._state.index.pin(keys))
 
     def unpin(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> None:
-        with self.core.lock:
-            self.core.placement.unpin(keys)
+        with self._state.lock:
+            self._state.placement.unpin(keys)
 
     def delete(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> int:
         """Remove keys from every tier; returns how many were held anywhere.
@@ -298,19 +302,19 @@ class TieredStore(Closing):
         until then it stays readable, which serves nothing stale: a key names
         its content.
         """
-        with self.core.lock:
-            self.core.check_open()
+        with self._state.lock:
+            self._core.check_open()
             return self._delete(namespace.digest, keys)
 
     def _delete(self, digest: bytes, keys: Sequence[ChunkKey]) -> int:
         deleted = 0
         for key in keys:
-            meta = self.core.index.get(key)
+            meta = self._state.index.get(key)
             if meta is not None and meta.pins:
                 meta.deleted = True
                 deleted += 1
                 continue
-            deleted += self.core.placement.forget_everywhere(digest, key)
+            deleted += self._state.placement.forget_everywhere(digest, key)
         return deleted
 
     # -- whole namespaces (an operator's commands) ------------------------
@@ -318,9 +322,9 @@ class TieredStore(Closing):
     def namespace_usage(self) -> list[NamespaceUsage]:
         """Every namespace the store holds blocks of or has registered, with its blocks
         and bytes per tier, largest first."""
-        with self.core.lock:
-            usage = self.core.index.usage()
-            registered = {ns.digest: ns for ns in self.core.registered_namespaces()}
+        with self._state.lock:
+            usage = self._state.index.usage()
+            registered = {ns.digest: ns for ns in self._core.registered_namespaces()}
         digests = set(usage) | set(registered)
         rows = [NamespaceUsage(d, registered.get(d), usage.get(d, {})) for d in digests]
         return sorted(rows, key=lambda row: (-sum(b for _, b in row.tiers.values()), row.digest))
@@ -330,7 +334,7 @@ class TieredStore(Closing):
         would (written back where the policy says, dropped from the last tier). A shared
         tier whose servers own its capacity is refused: other hosts read those blocks,
         and ``delete_namespace`` is the explicit way to remove them."""
-        placement = self.core.placement
+        placement = self._state.placement
         if tier not in placement.tiers:
             raise ConfigError(f"no {tier.label} tier is configured")
         if tier in placement.server_owned:
@@ -338,8 +342,8 @@ class TieredStore(Closing):
                 f"the {tier.label} servers own that tier's capacity: blocks there are "
                 "evicted by them, or removed with delete"
             )
-        with self.core.lock:
-            self.core.check_open()
+        with self._state.lock:
+            self._core.check_open()
             blocks = self._namespace_blocks(digest)
             held = [(key, meta) for key, meta in blocks if tier in meta.sizes]
             victims = [(key, meta) for key, meta in held if not meta.pins]
@@ -351,16 +355,16 @@ class TieredStore(Closing):
         (pinned ones when their last pin goes, as ``delete``); how many. Blocks other
         hosts put in a shared tier and this store never saw stay, to the servers'
         eviction."""
-        with self.core.lock:
-            self.core.check_open()
+        with self._state.lock:
+            self._core.check_open()
             keys = [key for key, _ in self._namespace_blocks(digest)]
             return self._delete(digest, keys)
 
     def _namespace_blocks(self, digest: bytes) -> list[tuple[ChunkKey, BlockMeta]]:
         """The blocks of namespace ``digest``; ``UnknownNamespace`` if it has none and
         is not registered (a mistyped digest is an error, not "nothing to do")."""
-        blocks = self.core.index.of_namespace(digest)
-        if not blocks and digest not in {ns.digest for ns in self.core.registered_namespaces()}:
+        blocks = self._state.index.of_namespace(digest)
+        if not blocks and digest not in {ns.digest for ns in self._core.registered_namespaces()}:
             raise UnknownNamespace(f"namespace {digest.hex()} holds nothing here")
         return blocks
 
@@ -368,10 +372,15 @@ class TieredStore(Closing):
         """Re-verify the blocks of the memory tiers; how many failed (``Maintenance.scrub``)."""
         return self._maintenance.scrub(batch)
 
+    def drain_write_through(self, deadline: float | None = None) -> bool:
+        """Wait until every write-through copy queued so far is made, or until ``deadline``
+        (``time.monotonic``); whether they all were."""
+        return self._core.drain_write_through(deadline)
+
     def flush(self, *, deadline: float | None = None, batch: int = 64) -> int:
         """Make every queued write-through copy, then copy blocks only a volatile tier holds
         into the first persistent tier; how many were written (``Maintenance.flush``)."""
-        self.core.drain_write_through(deadline)
+        self.drain_write_through(deadline)
         return self._maintenance.flush(deadline=deadline, batch=batch)
 
     # -- stats and lifecycle ------------------------------------------------
@@ -379,28 +388,39 @@ class TieredStore(Closing):
     def stats(self) -> StoreStats:
         """A snapshot of the counters, with each tier's current usage: for a shared tier
         whose servers own its capacity, theirs (every host's blocks), as they report it."""
-        placement = self.core.placement
+        placement = self._state.placement
         servers = {kind: placement.tiers[kind].server_memory() for kind in placement.server_owned}
-        with self.core.lock:
-            snapshot = self.core.stats.snapshot()
+        with self._state.lock:
+            snapshot = self._state.stats.snapshot()
             for kind, tier in placement.tiers.items():
                 counters = snapshot.tier(kind)
                 counters.used_bytes = tier.used_bytes()
-                counters.blocks = self.core.index.count(kind)
+                counters.blocks = self._state.index.count(kind)
                 counters.breaker_trips = tier.breaker.trips
                 counters.down = int(tier.breaker.is_open)
-                writer = next((w for w in self.core.write_through if w.kind is kind), None)
-                if writer is not None:
-                    counters.write_through_pending = writer.pending
+                pending = self._core.write_through_pending(kind)
+                if pending is not None:
+                    counters.write_through_pending = pending
                 memory = servers.get(kind)
                 if memory is not None:
                     counters.used_bytes = memory.used_bytes
                     counters.capacity_bytes = memory.max_bytes or counters.capacity_bytes
             return snapshot
 
+    def counters(self, kind: TierKind) -> TierCounters:
+        """A copy of tier ``kind``'s counters as they stand: ``stats`` without the usage
+        figures it gathers (a walk of the index), for a caller that asks often."""
+        with self._state.lock:
+            return dataclasses.replace(self._state.stats.tier(kind))
+
+    def serving(self) -> SharedServing:
+        """This store's shared-memory gets and landed puts, for a daemon that serves it
+        to other processes (``kvstore.store.shared``)."""
+        return SharedServing(self._core)
+
     def tier(self, kind: TierKind) -> Tier:
         """The tier object of ``kind`` (for tools and tests)."""
-        return self.core.placement.tiers[kind].tier
+        return self._state.placement.tiers[kind].tier
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -412,20 +432,20 @@ class TieredStore(Closing):
         eviction hooks the store calls. Re-entrant: the store's methods may be
         called inside (a policy demotes and promotes through them).
         """
-        with self.core.lock:
+        with self._state.lock:
             yield
 
     @property
     def tier_kinds(self) -> list[TierKind]:
-        return list(self.core.placement.order)
+        return list(self._state.placement.order)
 
     def close(self) -> None:
         """Copy what only the memory tiers hold into the first persistent tier
         (``config.flush_on_close``: a store opened again then has it), stop the scrubber
         and close every tier (idempotent)."""
-        if self.config.flush_on_close and not self.core.closed:
+        if self.config.flush_on_close and not self._core.closed:
             written = self.flush()
             if written:
                 logger.info("wrote %d block(s) held only in memory down at close", written)
         self._maintenance.stop()
-        self.core.close()
+        self._core.close()

@@ -38,9 +38,7 @@ from dataclasses import dataclass
 from kvstore.block import Block, stored_block
 from kvstore.errors import CorruptBlock, KVStoreError, TierFull
 from kvstore.keys import ChunkKey
-from kvstore.store.index import BlockIndex
-from kvstore.store.placement import Placement
-from kvstore.store.stats import StoreStats
+from kvstore.store.state import StoreState
 from kvstore.tiers.kinds import TierKind
 
 logger = logging.getLogger(__name__)
@@ -66,17 +64,14 @@ class WriteThrough:
     def __init__(
         self,
         kind: TierKind,
-        lock: threading.RLock,
-        index: BlockIndex,
-        placement: Placement,
-        stats: StoreStats,
+        state: StoreState,
         queue_blocks: int = DEFAULT_QUEUE_BLOCKS,
     ) -> None:
         self.kind = kind
-        self._lock = lock
-        self._index = index
-        self._placement = placement
-        self._counters = stats.tier(kind)
+        self._lock = state.lock
+        self._index = state.index
+        self._placement = state.placement
+        self._counters = state.stats.tier(kind)
         self._limit = queue_blocks
         self._queue: collections.deque[tuple[bytes, ChunkKey]] = collections.deque()
         self._ready = threading.Condition(threading.Lock())

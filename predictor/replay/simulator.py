@@ -402,15 +402,13 @@ class _Run:
         return len(keys) if missing is None else missing
 
     def _written_below(self) -> dict[TierKind, int]:
-        stats = self.store.core.stats
-        return {kind: stats.tier(kind).bytes_written for kind in self.store.tier_kinds[1:]}
+        return {kind: self.store.counters(kind).bytes_written for kind in self.store.tier_kinds[1:]}
 
     def _writeback_seconds(self, before: dict[TierKind, int]) -> float:
         """The copies into the tiers below HBM that making room took, at their rates."""
-        stats = self.store.core.stats
         seconds = 0.0
         for kind, then in before.items():
-            chunks = (stats.tier(kind).bytes_written - then) / self.block_bytes
+            chunks = (self.store.counters(kind).bytes_written - then) / self.block_bytes
             seconds += chunks * self.meter.chunk_bytes / self.config.costs.bytes_per_s(kind)
         return seconds
 

@@ -191,3 +191,32 @@ def test_the_front_door_lists_every_public_name_it_resolves() -> None:
     assert sorted(kvstore.__all__) == sorted(kvstore._PUBLIC)
     for name in kvstore.__all__:
         assert getattr(kvstore, name).__name__ == name
+
+
+STORE_PRIVATE = frozenset({"kvstore.store.core", "kvstore.store.state"})
+
+
+def test_a_stores_state_is_touched_only_inside_the_store() -> None:
+    """Its core and its state (lock, index, placement, counters) are the store's own
+    modules' business: a daemon, a client or the predictor asks a face."""
+    known = modules()
+    wrong = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph().items()
+        if not _within(known[name].folder, "kvstore.store")
+        for target in targets & STORE_PRIVATE
+    )
+    assert wrong == []
+
+
+def test_the_daemon_knows_the_tiers_by_kind_only() -> None:
+    """It reaches blocks through the store (``kvstore.store.shared``), never a tier."""
+    known = modules()
+    wrong = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph().items()
+        if _within(known[name].folder, "kvstore.server")
+        for target in targets
+        if _within(known[target].folder, "kvstore.tiers") and target != "kvstore.tiers.kinds"
+    )
+    assert wrong == []

@@ -16,7 +16,6 @@ from kvstore.predictor.config import PredictorConfig
 from kvstore.server.config import DaemonConfig, ServiceConfig
 from kvstore.server.event_log import EventLog
 from kvstore.server.leases import LeaseTable
-from kvstore.server.serving import SharedServing
 from kvstore.store.config import StoreConfig
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.events import (
@@ -128,7 +127,7 @@ def test_leases_pin_until_released_or_expired_exactly_once() -> None:
     with TieredStore(kv.config(kv.dram(8))) as store:
         store.put(ns, kv.tokens(4), kv.chunks(4))
         keys = store.keys_for(ns, kv.tokens(4))
-        table = LeaseTable(SharedServing(store.core), ttl_s=5.0, max_leases=2, clock=clock)
+        table = LeaseTable(store.serving(), ttl_s=5.0, max_leases=2, clock=clock)
         first, shared = table.grant(ns, keys)
         assert [block is not None for block in shared] == [True] * 4
         assert first.keys == tuple(keys) and table.pinned_blocks == 4
@@ -154,7 +153,7 @@ def test_release_many_unpins_the_leases_still_there_exactly_once() -> None:
     with TieredStore(kv.config(kv.dram(8))) as store:
         store.put(ns, kv.tokens(4), kv.chunks(4))
         keys = store.keys_for(ns, kv.tokens(4))
-        table = LeaseTable(SharedServing(store.core), ttl_s=5.0, max_leases=8)
+        table = LeaseTable(store.serving(), ttl_s=5.0, max_leases=8)
         first, _ = table.grant(ns, keys[:2])
         second, _ = table.grant(ns, keys[2:])
         table.release(second.id)
@@ -169,7 +168,7 @@ def test_release_all_unpins_everything() -> None:
     with TieredStore(kv.config(kv.dram(8))) as store:
         store.put(ns, kv.tokens(2), kv.chunks(2))
         keys = store.keys_for(ns, kv.tokens(2))
-        table = LeaseTable(SharedServing(store.core), ttl_s=5.0, max_leases=8)
+        table = LeaseTable(store.serving(), ttl_s=5.0, max_leases=8)
         table.grant(ns, keys)
         table.grant(ns, keys)
         assert table.release_all() == 2

@@ -14,7 +14,6 @@ from kvstore.block import HEADER_BYTES, Block, encode_block
 from kvstore.errors import CorruptBlock, PutAborted
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.server.landing import Landing
-from kvstore.server.serving import SharedServing
 from kvstore.store.chunk import chunk_bytes
 from kvstore.store.reservation import Filled
 from kvstore.tiers.kinds import TierKind
@@ -62,7 +61,7 @@ def test_landed_blocks_are_invisible_until_commit_then_served_bit_for_bit(
     store.register(ns)
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
-    landing = Landing(SharedServing(store.core), ns, keys)
+    landing = Landing(store.serving(), ns, keys)
     landed = _land_all(landing, keys, blocks)
     assert store.tier(DRAM).used_bytes() == 3 * 4096  # reserved: counted against capacity
     assert store.lookup(ns, keys).num_chunks == 0  # but nobody can find them
@@ -78,9 +77,9 @@ def test_an_aborted_put_leaves_free_space_and_index_as_before(store: TieredStore
     ns = kv.namespace()
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
-    SharedServing(store.core).put_blocks(ns, keys[:1], blocks[:1])
+    store.serving().put_blocks(ns, keys[:1], blocks[:1])
     before = (store.tier(DRAM).used_bytes(), store.lookup(ns, keys).tiers)
-    landing = Landing(SharedServing(store.core), ns, keys)
+    landing = Landing(store.serving(), ns, keys)
     _land_all(landing, keys[1:], blocks[1:])
     assert store.tier(DRAM).used_bytes() == 3 * 4096
     landing.abort()
@@ -100,7 +99,7 @@ def test_a_corrupt_block_is_refused_and_gives_its_reservation_back(
         keys = store.keys_for(ns, kv.tokens(1))
         data = bytearray(_blocks(ns, keys)[0].to_bytes())
         data[-1] ^= 0x01
-        landing = Landing(SharedServing(store.core), ns, keys)
+        landing = Landing(store.serving(), ns, keys)
         with pytest.raises(CorruptBlock, match="block 0: checksum mismatch"):
             _land(landing, 0, keys, bytes(data))
         assert not dram or store.tier(DRAM).used_bytes() == 0
@@ -110,11 +109,11 @@ def test_a_corrupt_block_is_refused_and_gives_its_reservation_back(
 def test_a_put_larger_than_free_space_evicts_for_its_reservations(store: TieredStore) -> None:
     ns = kv.namespace()
     old_keys = store.keys_for(ns, kv.tokens(4, start=10_000))
-    SharedServing(store.core).put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
+    store.serving().put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
     assert store.tier(DRAM).used_bytes() == 4 * 4096  # DRAM full
     keys = store.keys_for(ns, kv.tokens(3))
     blocks = _blocks(ns, keys)
-    landing = Landing(SharedServing(store.core), ns, keys)
+    landing = Landing(store.serving(), ns, keys)
     landed = _land_all(landing, keys, blocks)
     assert landing.commit(keys, landed, None) == 3
     assert store.lookup(ns, keys).tiers == (DRAM,) * 3
@@ -131,7 +130,7 @@ def test_a_block_with_no_reservation_to_be_had_lands_in_a_buffer_then_a_normal_a
         ns = kv.namespace()
         keys = no_dram.keys_for(ns, kv.tokens(2))
         blocks = _blocks(ns, keys)
-        landing = Landing(SharedServing(no_dram.core), ns, keys)
+        landing = Landing(no_dram.serving(), ns, keys)
         landed = [_land(landing, i, keys, block.to_bytes()) for i, block in enumerate(blocks)]
         assert [bytes(block.to_bytes()) for block in landed if isinstance(block, Block)] == [
             block.to_bytes() for block in blocks
@@ -144,8 +143,8 @@ def test_a_key_already_held_gives_its_reservation_back_on_commit(store: TieredSt
     ns = kv.namespace()
     keys = store.keys_for(ns, kv.tokens(2))
     blocks = _blocks(ns, keys)
-    SharedServing(store.core).put_blocks(ns, keys[:1], blocks[:1])
-    landing = Landing(SharedServing(store.core), ns, keys)
+    store.serving().put_blocks(ns, keys[:1], blocks[:1])
+    landing = Landing(store.serving(), ns, keys)
     landed = _land_all(landing, keys, blocks)
     assert landing.commit(keys, landed, None) == 1  # only the new one
     assert store.tier(DRAM).used_bytes() == 2 * 4096
@@ -158,10 +157,10 @@ def test_with_no_tier_below_dram_a_landing_never_evicts() -> None:
     with TieredStore(kv.config(kv.dram(2))) as dram_only:
         ns = kv.namespace()
         old_keys = dram_only.keys_for(ns, kv.tokens(2, start=10_000))
-        SharedServing(dram_only.core).put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
+        dram_only.serving().put_blocks(ns, old_keys, _blocks(ns, old_keys, seed=1))
         keys = dram_only.keys_for(ns, kv.tokens(1))
         block = _blocks(ns, keys)[0]
-        landing = Landing(SharedServing(dram_only.core), ns, keys)
+        landing = Landing(dram_only.serving(), ns, keys)
         landed = _land(landing, 0, keys, block.to_bytes())
         assert isinstance(landed, Block)  # in a buffer of its own: no room was made
         assert dram_only.lookup(ns, old_keys).tiers == (DRAM, DRAM)

@@ -30,7 +30,6 @@ from kvstore.block import (
 from kvstore.errors import CorruptBlock
 from kvstore.local.redis_server import RedisServer
 from kvstore.server.leases import LeaseTable
-from kvstore.server.serving import SharedServing
 from kvstore.store.chunk import chunk_bytes
 
 DRAM, SSD = TierKind.DRAM, TierKind.SSD
@@ -55,7 +54,7 @@ def test_put_blocks_stores_received_blocks_bit_for_bit(two_level: TieredStore) -
     keys = two_level.keys_for(ns, kv.tokens(4))
     blocks = _received(ns, keys, data)
     # The head is already cached elsewhere (None); the rest is new.
-    serving = SharedServing(two_level.core)
+    serving = two_level.serving()
     assert serving.put_blocks(ns, keys, [None, *blocks[1:]], session="agent-1") == 3
     assert serving.put_blocks(ns, keys, blocks) == 1  # only the head was missing
     assert two_level.lookup(ns, keys).tiers == (DRAM,) * 4
@@ -71,7 +70,7 @@ def test_put_blocks_re_encodes_for_a_compressed_fastest_tier(tmp_path: Path) -> 
         ns = kv.namespace()
         data = kv.chunks(3)
         keys = store.keys_for(ns, kv.tokens(3))
-        assert SharedServing(store.core).put_blocks(ns, keys, _received(ns, keys, data)) == 3
+        assert store.serving().put_blocks(ns, keys, _received(ns, keys, data)) == 3
         stored = store.tier(SSD).get_many(ns.digest, keys)
         assert all(parse_header(block).codec is Codec.ZSTD for block in stored if block)
         assert_chunks_equal(store, ns, keys, data)
@@ -94,7 +93,7 @@ def test_put_blocks_refuses_a_block_that_is_not_what_it_claims(two_level: Tiered
     ]
     for blocks, error in cases:
         with pytest.raises(error):
-            SharedServing(two_level.core).put_blocks(ns, keys, blocks)
+            two_level.serving().put_blocks(ns, keys, blocks)
     # All or nothing: the good block 0 was never stored either.
     assert two_level.locate(ns, keys) == [None, None]
     assert two_level.stats().puts == 0
@@ -108,7 +107,7 @@ def test_serve_pins_what_it_will_send_until_released(tmp_path: Path) -> None:
         keys = store.keys_for(ns, kv.tokens(6))
         unknown = store.keys_for(ns, kv.tokens(1, start=10_000))
         expected = [bytes(chunk.block) for chunk in store.get(ns, keys) if chunk and chunk.block]
-        serving = SharedServing(store.core)
+        serving = store.serving()
         served = serving.serve(ns, [*keys, *unknown])
         assert served.tiers == [DRAM] * 4 + [SSD] * 2 + [None]
         framed = HEADER_BYTES + ns.layout.chunk_nbytes
@@ -144,7 +143,7 @@ def test_lookup_nowait_answers_from_the_index_without_the_store_lock(
         release = threading.Event()
 
         def hold_the_lock() -> None:
-            with store.core.lock:
+            with store.locked():
                 held.set()
                 release.wait(10.0)
 
@@ -174,7 +173,7 @@ def test_a_lease_pins_hbm_blocks_for_a_device_client_and_its_release_unpins_them
         keys = store.keys_for(ns, kv.tokens(3))
         store.put(ns, kv.tokens(3), kv.chunks(3))
         assert store.lookup(ns, keys).tiers == (TierKind.HBM,) * 3
-        serving = SharedServing(store.core)
+        serving = store.serving()
         assert serving.hbm_handle is not None
         table = LeaseTable(serving, ttl_s=5.0, max_leases=4)
         lease, shared = table.grant(ns, keys, hbm=True)
@@ -182,11 +181,9 @@ def test_a_lease_pins_hbm_blocks_for_a_device_client_and_its_release_unpins_them
         for block in shared:
             assert block is not None
             assert serving.generation_offset(block) == 8 * (block.offset // 4096)
-            meta = store.core.index.get(block.key)
-            assert meta is not None and meta.pins == 1
+        assert store.demote(ns, keys) == 0  # pinned: nothing moves
         assert store.stats().tiers[TierKind.HBM].hits == 3
         _, without = table.grant(ns, keys)
         assert without == [None] * 3  # held in HBM only, so nothing to map
         assert table.release(lease.id) == 3
-        metas = [store.core.index.get(key) for key in keys]
-        assert [meta.pins if meta else None for meta in metas] == [0, 0, 0]
+        assert store.demote(ns, keys) == 3  # unpinned: all three move

@@ -49,7 +49,7 @@ def test_write_back_keeps_a_put_local(clean_redis: RedisServer) -> None:
         TieredStore(kv.config(kv.dram(16), back)) as host_b,
     ):
         host_a.put(ns, kv.tokens(3), kv.chunks(3))
-        assert host_a.core.write_through == []
+        assert host_a.drain_write_through(time.monotonic() + 10.0)  # nothing queued
         assert host_b.lookup(ns, kv.tokens(3)).num_chunks == 0
 
 

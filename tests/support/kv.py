@@ -120,4 +120,4 @@ def written_through(store: TieredStore, timeout_s: float = 10.0) -> None:
     """Wait until every write-through copy queued so far has landed. A block being
     copied is pinned, and ``demote`` passes over pinned blocks: a test that moves
     blocks right after putting them waits here first."""
-    assert store.core.drain_write_through(time.monotonic() + timeout_s)
+    assert store.drain_write_through(time.monotonic() + timeout_s)

@@ -1,7 +1,8 @@
-"""The daemon's half of the store: blocks served from shared memory, and received ones stored.
+"""What other processes may do with a store's blocks, through a daemon: copy them out
+of shared memory under a lease, and put blocks that landed straight in its arena.
 
 A ``TieredStore`` is all an embedded engine needs. A daemon serving other
-processes needs two more paths:
+processes needs two more paths, which ``TieredStore.serving()`` hands it:
 
 * out: a same-host client copies blocks straight out of the arena under a
   lease (``share``): the DRAM arena, mapped read-only, and the HBM arena,
@@ -13,10 +14,9 @@ processes needs two more paths:
   verified there (``reserve`` ... ``put_landed``: ``kvstore.store.reservation``,
   driven by ``kvstore.server.landing``).
 
-The daemon builds one ``SharedServing`` over its store's ``StoreCore``
-(``TieredStore.core``). It keeps no state of its own: it works under the
-core's lock on the core's index, placement and counters, through the core's
-public members only, as ``TieredStore`` itself does.
+``SharedServing`` keeps no state of its own: it works under the store's lock on
+its index, placement and counters (``kvstore.store.state``), as ``TieredStore``
+does, and the daemon reaches none of them but through it.
 """
 
 from __future__ import annotations
@@ -83,18 +83,19 @@ class SharedServing:
 
     def __init__(self, core: StoreCore) -> None:
         self._core = core
+        self._state = core.state
 
     @property
     def config(self) -> StoreConfig:
         return self._core.config
 
     def _dram(self) -> DRAMTier | None:
-        guarded = self._core.placement.tiers.get(TierKind.DRAM)
+        guarded = self._state.placement.tiers.get(TierKind.DRAM)
         return guarded.tier if guarded is not None and isinstance(guarded.tier, DRAMTier) else None
 
     def _hbm(self) -> ArenaTier | None:
         """The HBM tier, if there is one and its arena can be shared."""
-        guarded = self._core.placement.tiers.get(TierKind.HBM)
+        guarded = self._state.placement.tiers.get(TierKind.HBM)
         tier = guarded.tier if guarded is not None else None
         if isinstance(tier, ArenaTier) and _handle(tier) is not None:
             return tier
@@ -111,6 +112,13 @@ class SharedServing:
         tier = self._dram() if block.tier is TierKind.DRAM else self._hbm()
         assert isinstance(tier, DRAMTier | SharedDeviceTier), "shared only from such tiers"
         return tier.generation_offset(block.offset)
+
+    def dram_prefault(self) -> tuple[int, bool] | None:
+        """How far the DRAM arena's pages are populated (bytes, whether done), if they
+        are being populated in the background (``tiers.prefault``)."""
+        dram = self._dram()
+        prefault = dram.arena.prefault if dram is not None else None
+        return None if prefault is None else (prefault.populated_bytes, prefault.done)
 
     @property
     def shared_memory_name(self) -> str | None:
@@ -133,7 +141,7 @@ class SharedServing:
         count as hits of their tier.
         """
         tiers = self._shared_tiers(hbm=hbm)
-        with self._core.lock:
+        with self._state.lock:
             self._core.check_open()
             shared = [self._pin_shared(tiers, namespace, key) for key in keys]
             self._count_shared(shared)
@@ -152,7 +160,7 @@ class SharedServing:
         located = self._core.locate(namespace, keys)
         dram = self._shared_tiers(hbm=False)
         framed_bytes = HEADER_BYTES + namespace.layout.chunk_nbytes
-        with self._core.lock:
+        with self._state.lock:
             self._core.check_open()
             shared = [
                 None if tier is None else self._pin_shared(dram, namespace, key)
@@ -164,7 +172,7 @@ class SharedServing:
                 if block is None and tier is not None
             ]
             pinned = [block.key for block in shared if block is not None]
-            pinned += self._core.index.pin(elsewhere)
+            pinned += self._state.index.pin(elsewhere)
             self._count_shared(shared)
         return ServedGet(
             namespace,
@@ -199,7 +207,7 @@ class SharedServing:
                 if block.nbytes != served.lengths[index]:
                     block = None
             blocks.append(block)
-        with self._core.lock:
+        with self._state.lock:
             self._core.after_hits(namespace, keys, chunks)
             served.lost += blocks.count(None)
         return blocks
@@ -207,23 +215,23 @@ class SharedServing:
     def release_served(self, served: ServedGet, *, continues: bool = False) -> None:
         """Unpin what ``serve`` pinned, and count the get and its misses; ``continues``:
         it reads what a shared-memory get left inline, which counted the get already."""
-        with self._core.lock:
-            self._core.placement.unpin(served.pinned)
+        with self._state.lock:
+            self._state.placement.unpin(served.pinned)
             served.pinned = []
-            self._core.stats.gets += not continues
-            self._core.stats.get_misses += served.lengths.count(None) + served.lost
+            self._state.stats.gets += not continues
+            self._state.stats.get_misses += served.lengths.count(None) + served.lost
 
     def count_shared_get(self, missing: int) -> None:
         """Count a shared-memory get and the chunks it found nowhere (its DRAM hits were
         counted by ``share``; the ones held below are read by a get that continues it)."""
-        with self._core.lock:
-            self._core.stats.gets += 1
-            self._core.stats.get_misses += missing
+        with self._state.lock:
+            self._state.stats.gets += 1
+            self._state.stats.get_misses += missing
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Unpin what ``share`` pinned (a lease given back or expired)."""
-        with self._core.lock:
-            self._core.placement.unpin(keys)
+        with self._state.lock:
+            self._state.placement.unpin(keys)
 
     def locate(self, namespace: Namespace, keys: Sequence[ChunkKey]) -> list[TierKind | None]:
         """The fastest tier holding each key (``StoreCore.locate``)."""
@@ -250,7 +258,7 @@ class SharedServing:
     ) -> SharedBlock | None:
         """Pin ``key`` and say where it lies in the first of ``tiers`` holding it;
         ``None`` if none does. Lock held."""
-        meta = self._core.index.get(key)
+        meta = self._state.index.get(key)
         if meta is None:
             return None
         for tier in tiers:
@@ -258,7 +266,7 @@ class SharedServing:
                 continue
             extent = tier.extent_of(namespace.digest, key)
             if extent is not None:
-                meta.pins += 1
+                self._state.index.pin([key])
                 return SharedBlock(key, extent.offset, extent.nbytes, extent.generation, tier.kind)
         return None
 
@@ -266,11 +274,11 @@ class SharedServing:
         """Count shared blocks as hits of their tiers and mark them used. Lock held."""
         served = [block for block in shared if block is not None]
         for block in served:
-            counters = self._core.stats.tier(block.tier)
+            counters = self._state.stats.tier(block.tier)
             counters.hits += 1
             counters.bytes_read += block.nbytes
         if served:
-            self._core.placement.touch([block.key for block in served])
+            self._state.placement.touch([block.key for block in served])
 
     def reserve(
         self, nbytes: int, codec: Codec, protect: frozenset[ChunkKey]
@@ -279,8 +287,8 @@ class SharedServing:
         evicting for it as a put would (never ``protect``); ``None`` when the block must
         go the usual way (DRAM is not the fastest tier, stores another codec, or cannot
         make room). The caller fills it and hands it to ``put_landed`` or aborts it."""
-        with self._core.lock:
-            placement = self._core.placement
+        with self._state.lock:
+            placement = self._state.placement
             dram = self._dram()
             if (
                 self._core.closed
@@ -297,8 +305,8 @@ class SharedServing:
 
     def give_back(self, reservations: Sequence[Reservation]) -> None:
         """End the reservations still open, their space unused."""
-        with self._core.lock:
-            self._core.placement.unreserve(TierKind.DRAM, reservations)
+        with self._state.lock:
+            self._state.placement.unreserve(TierKind.DRAM, reservations)
 
     def put_blocks(
         self,
@@ -323,7 +331,7 @@ class SharedServing:
         present = {index: block for index, block in enumerate(blocks) if block is not None}
         for index, block in present.items():
             _check_framed(namespace, chain[index], block)
-        placement = self._core.placement
+        placement = self._state.placement
 
         def frame(index: int, parent: ChunkKey | None) -> Block:
             return placement.reencode(present[index], placement.fastest)
@@ -348,12 +356,12 @@ class SharedServing:
         try:
             others = [None if isinstance(block, Filled) else block for block in blocks]
             stored = self.put_blocks(namespace, keys, others, session=session)
-            core = self._core
-            with core.lock:
+            core, state = self._core, self._state
+            with state.lock:
                 core.check_open()
                 fresh = [entry for entry in filled if core.needs_storing(namespace, entry.key)]
-                published = core.placement.publish(TierKind.DRAM, namespace.digest, fresh, session)
-                core.stats.chunks_stored += len(published)
+                published = state.placement.publish(TierKind.DRAM, namespace.digest, fresh, session)
+                state.stats.chunks_stored += len(published)
             core.stored(namespace, [entry.key for entry in fresh])
         finally:
             self.give_back([entry.reservation for entry in filled])
