@@ -54,8 +54,11 @@ BORROWED = web.RequestKey("borrowed_socket", bool)
 # daemon stopping) is noticed within one.
 _POLL_SLICE_S = 0.25
 _DISCARD_BYTES = 1 << 20
-# How often ``arrived`` looks again while too few of the bytes it waits for are here.
-_ARRIVAL_POLL_S = 0.02
+# How soon ``arrived`` looks again while some, too few, of the bytes it waits for are
+# here (the socket stays readable, so it cannot wait for that): at first at once, as a
+# client sending at speed is a segment away; then less often, up to the longest.
+_ARRIVAL_POLL_FIRST_S = 0.0005
+_ARRIVAL_POLL_LONGEST_S = 0.02
 
 
 class SocketBody(BodyReader):
@@ -102,6 +105,7 @@ class SocketBody(BodyReader):
         loop = asyncio.get_running_loop()
         fd = self._sock.fileno()
         waiting, quiet_since = -1, time.monotonic()
+        pause_s = _ARRIVAL_POLL_FIRST_S
         while True:
             before, waiting = waiting, self._ahead.nbytes + _queued(fd)
             if waiting >= nbytes:
@@ -109,6 +113,7 @@ class SocketBody(BodyReader):
             now = time.monotonic()
             if waiting > before:
                 quiet_since = now
+                pause_s = _ARRIVAL_POLL_FIRST_S
             self._check_time(now, quiet_since)
             if self._closed():
                 raise WireError(ErrorCode.UNAVAILABLE, "connection closed mid-body")
@@ -121,7 +126,8 @@ class SocketBody(BodyReader):
             if readable.done() and self._ahead.nbytes + _queued(fd) == waiting:
                 if waiting == self._ahead.nbytes:  # readable with nothing queued: hung up
                     raise WireError(ErrorCode.MALFORMED_BODY, "client hung up mid-body")
-                await asyncio.sleep(_ARRIVAL_POLL_S)  # some bytes, too few: look again
+                await asyncio.sleep(pause_s)  # some bytes, too few: look again soon
+                pause_s = min(2 * pause_s, _ARRIVAL_POLL_LONGEST_S)
 
     def discard(self, deadline_s: float) -> None:
         """Read and drop the rest of the body for at most ``deadline_s`` seconds, so
