@@ -139,14 +139,14 @@ def test_an_acl_user_confined_to_the_prefix_over_tls_shares_a_store(
         TieredStore(kv.config(kv.dram(16), shared)) as host_b,
     ):
         host_a.put(ns, kv.tokens(4), data)
-        assert host_a.core.drain_write_through(time.monotonic() + 10)
+        assert host_a.drain_write_through(time.monotonic() + 10)
         assert host_a.stats().tiers[TierKind.REDIS].write_through_written == 4
         assert host_b.lookup(ns, kv.tokens(4)).tiers == (TierKind.REDIS,) * 4
         kv.assert_chunks_equal(host_b, ns, host_b.keys_for(ns, kv.tokens(4)), data)
     outside = dataclasses.replace(shared, key_prefix="other")
     with TieredStore(kv.config(kv.dram(16), outside)) as stranger:
         stranger.put(ns, kv.tokens(4), data)
-        assert stranger.core.drain_write_through(time.monotonic() + 10)
+        assert stranger.drain_write_through(time.monotonic() + 10)
         counters = stranger.stats().tiers[TierKind.REDIS]
         assert counters.write_through_written == 0 and counters.errors >= 1
 
