@@ -5,8 +5,9 @@ pressure, drop only from the last tier, skip pinned and protected blocks); a
 policy only orders candidates and, if it wants, names their destination. It
 is told about every insertion, access and removal per tier, and answers
 ``victims(tier)``: keys in the order they should go, and
-``destination(tier, key)``: the tier a victim is written back to, or
-``None`` for the next one down. The return-time predictor's policy
+``destination(tier, key, occupancy)``: the tier a victim is written back to, or
+``None`` for the next one down, from how full the tiers are (``Occupancy``: the
+one thing of the store a policy reads while the store evicts). The return-time predictor's policy
 (``kvstore.predictor.placement.policy``) plugs in here by implementing the
 same protocol; so does any other.
 
@@ -30,6 +31,18 @@ from kvstore.keys import ChunkKey
 from kvstore.tiers.kinds import TierKind
 
 
+class Occupancy(Protocol):
+    """How full each configured tier is now, fastest first: all a policy reads of the
+    store while the store evicts (it calls the policy with its lock held)."""
+
+    @property
+    def kinds(self) -> Sequence[TierKind]: ...
+
+    def used_bytes(self, kind: TierKind) -> int: ...
+
+    def capacity_bytes(self, kind: TierKind) -> int: ...
+
+
 class EvictionPolicy(Protocol):
     """Orders eviction candidates per tier. Called with the store lock held."""
 
@@ -44,9 +57,12 @@ class EvictionPolicy(Protocol):
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
         """Keys of ``tier`` in eviction order (the store may skip pinned ones)."""
 
-    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+    def destination(
+        self, tier: TierKind, key: ChunkKey, occupancy: Occupancy
+    ) -> TierKind | None:
         """Where victim ``key`` of ``tier`` is written back: a slower tier (a block that
-        would only be the next victim below may skip it), or ``None`` for the next."""
+        would only be the next victim below may skip it), or ``None`` for the next;
+        ``occupancy``: how full the tiers are now."""
 
 
 class LRUPolicy:
@@ -87,6 +103,8 @@ class LRUPolicy:
                     yield key
             size *= 2
 
-    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+    def destination(
+        self, tier: TierKind, key: ChunkKey, occupancy: Occupancy
+    ) -> TierKind | None:
         """Always the next tier down."""
         return None

@@ -75,6 +75,21 @@ class CopiedDown:
     failed: set[ChunkKey]
 
 
+class TierOccupancy:
+    """How full each tier is now (``eviction.Occupancy``), read from the tiers on each
+    call: what the policy is shown when it names a victim's destination."""
+
+    def __init__(self, tiers: dict[TierKind, GuardedTier]) -> None:
+        self._tiers = tiers
+        self.kinds = tuple(sorted(tiers))
+
+    def used_bytes(self, kind: TierKind) -> int:
+        return self._tiers[kind].used_bytes()
+
+    def capacity_bytes(self, kind: TierKind) -> int:
+        return self._tiers[kind].capacity_bytes()
+
+
 class Placement:
     """The mechanics of the hierarchy; the policy only orders victims."""
 
@@ -97,6 +112,7 @@ class Placement:
         self._policy = policy
         self._stats = stats
         self._failed_writebacks = ThrottledLog(logger, every_s=10.0)
+        self.occupancy = TierOccupancy(tiers)
 
     @property
     def fastest(self) -> TierKind:
@@ -343,7 +359,7 @@ class Placement:
     def _destination(self, kind: TierKind, key: ChunkKey) -> TierKind | None:
         """Where a victim of ``kind`` is written back: the tier the policy names if it is
         a configured, slower one; else the next tier down (``None`` below the last)."""
-        target = self._policy.destination(kind, key)
+        target = self._policy.destination(kind, key, self.occupancy)
         if target is not None and target > kind and target in self.tiers:
             return target
         return self.below(kind)

@@ -41,7 +41,7 @@ from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, OutData, chunk
 from kvstore.store.closing import Closing
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
-from kvstore.store.eviction import EvictionPolicy
+from kvstore.store.eviction import EvictionPolicy, Occupancy
 from kvstore.store.index import BlockMeta
 from kvstore.store.maintenance import Maintenance
 from kvstore.store.out_buffers import OutBuffers, host_arrays
@@ -417,6 +417,10 @@ class TieredStore(Closing):
         """This store's shared-memory gets and landed puts, for a daemon that serves it
         to other processes (``kvstore.store.shared``)."""
         return SharedServing(self._core)
+
+    def occupancy(self) -> Occupancy:
+        """How full each tier is now, fastest first (read on each call)."""
+        return self._state.placement.occupancy
 
     def tier(self, kind: TierKind) -> Tier:
         """The tier object of ``kind`` (for tools and tests)."""

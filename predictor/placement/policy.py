@@ -4,7 +4,8 @@ A policy here is two things at once:
 
 * an ``EvictionPolicy`` (``kvstore.store.eviction``) plugged into the store: told of
   every access and removal per tier, it answers ``victims(tier)`` when
-  capacity pressure must evict;
+  capacity pressure must evict, and ``destination(tier, key, occupancy)`` from
+  how full the tiers are, never asking the store while it evicts;
 * a session policy with three hooks the daemon or the replay calls:
   ``on_idle`` when a session's last request finishes, ``on_resume`` when one
   starts, and ``tick`` on a timer. Each takes ``now``; nothing reads a clock.
@@ -91,6 +92,7 @@ from kvstore.predictor.placement.hooks import (
 from kvstore.predictor.placement.prefetching import PlannedPrefetch, Prefetcher
 from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank
 from kvstore.predictor.placement.thresholds import PlacementConfig
+from kvstore.store.eviction import Occupancy
 from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.kinds import TierKind
 
@@ -146,7 +148,6 @@ class PlacementPolicy:
         )
         self._checks: list[tuple[float, int, int, str]] = []  # (when, seq, epoch, session)
         self._sequence = itertools.count()
-        self._store: TieredStore | None = None  # the store the hooks were last called with
         # The records of what pressure pushed out at ``_now``, by (session, from, to).
         self._evictions: dict[tuple[str, TierKind, TierKind | None], Decision] = {}
         self._evictions_at = 0.0
@@ -223,19 +224,20 @@ class PlacementPolicy:
         (``Holdings.victims``)."""
         return self._held.victims(tier)
 
-    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+    def destination(
+        self, tier: TierKind, key: ChunkKey, occupancy: Occupancy
+    ) -> TierKind | None:
         """Where a victim of ``tier`` goes (``kvstore.store.placement`` asks): the first slower
         tier that has room or whose next victim the block's session outranks; the
         last tier if none. ``None`` (the next tier) when the policy has no say."""
-        store = self._store
         owner = self._held.owner(key)
         session = self._sessions.get(owner) if owner is not None else None
-        if store is None or session is None:
+        if session is None:
             return None
-        slower = [kind for kind in store.tier_kinds if kind > tier]
+        slower = [kind for kind in occupancy.kinds if kind > tier]
         chances = {kind: self._rank(session, kind)[:2] for kind in slower}
         for kind in slower[:-1]:
-            if self._fits(store, kind, session.name, chances):
+            if self._fits(occupancy, kind, session.name, chances):
                 return kind
         return slower[-1] if slower else None
 
@@ -244,7 +246,7 @@ class PlacementPolicy:
     def on_idle(
         self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
     ) -> TierKind | None:
-        self._now, self._store = now, store
+        self._now = now
         session = self._session(state.session)
         session.active = False
         session.idle_since = now
@@ -258,7 +260,7 @@ class PlacementPolicy:
         self, store: TieredStore, state: IdleSession, forecast: Forecast, now: float
     ) -> None:
         """Re-place an idle session by a forecast made again, read from ``now`` on."""
-        self._now, self._store = now, store
+        self._now = now
         session = self._sessions.get(state.session)
         if session is None or session.active:
             return
@@ -271,7 +273,7 @@ class PlacementPolicy:
 
     def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
         """Prefetch the session's chain into the fastest tier: its lookup is next."""
-        self._now, self._store = now, store
+        self._now = now
         session = self._session(state.session)
         if not session.active and session.forecast is not None:
             self.gaps.add(now - session.idle_since)
@@ -284,7 +286,7 @@ class PlacementPolicy:
 
     def tick(self, store: TieredStore, now: float) -> None:
         """Re-place the idle sessions whose next look is due."""
-        self._now, self._store = now, store
+        self._now = now
         while self._checks and self._checks[0][0] <= now:
             _, _, epoch, name = heapq.heappop(self._checks)
             session = self._sessions.get(name)
@@ -315,7 +317,7 @@ class PlacementPolicy:
         while (
             placed != order[-1]
             and (target is None or target > placed)
-            and not self._fits(store, placed, session.name, chances)
+            and not self._fits(store.occupancy(), placed, session.name, chances)
         ):
             placed = order[order.index(placed) + 1]
         level = self._held.level(session.name)
@@ -365,7 +367,7 @@ class PlacementPolicy:
             rising
             and target is not None
             and target < level
-            and self._fits(store, target, name, chances)
+            and self._fits(store.occupancy(), target, name, chances)
         ):
             self._prefetch(store, session, target, why)
             placed = target
@@ -382,7 +384,7 @@ class PlacementPolicy:
         if target is not None and target > placed:
             written = self._held.write_down(store, namespace, name, placed, target)
             if written:
-                if self._has_room(store, placed):
+                if self._has_room(store.occupancy(), placed):
                     kept = Why(Reason.KEPT_ROOM, placed)
                 else:
                     p, rival = chances[placed][0], self._held.next_in_line(placed, name)[0]
@@ -390,7 +392,7 @@ class PlacementPolicy:
                 self._decide(session, Action.WRITE_DOWN, placed, target, written, kept)
         elif placed != order[-1]:
             below = order[order.index(placed) + 1]
-            if self._has_room(store, below):
+            if self._has_room(store.occupancy(), below):
                 written = self._held.write_down(store, namespace, name, placed, below)
                 if written:
                     ahead = Why(Reason.COPY_AHEAD, below)
@@ -415,7 +417,7 @@ class PlacementPolicy:
             if kind is TierKind.HBM:
                 continue
             p = chances[kind][0]
-            if self._has_room(store, kind):
+            if self._has_room(store.occupancy(), kind):
                 return kind, Why(Reason.PROMOTED_ROOM, kind, p, self.stay(kind))
             rival = self._held.next_in_line(kind, name)[0]
             if p > (1.0 + self.config.promote_margin) * rival:
@@ -525,7 +527,7 @@ class PlacementPolicy:
         # of it goes to ``promote``, so the part already in ``to`` is protected too.
         head: list[ChunkKey] = []
         slower: list[tuple[ChunkKey, TierKind]] = []
-        chain = state.chain[: self._slots(store, to) // 2]
+        chain = state.chain[: self._slots(store.occupancy(), to) // 2]
         for key, fastest in zip(chain, self._held.fastest_each(chain), strict=True):
             if fastest is None:
                 break
@@ -539,30 +541,31 @@ class PlacementPolicy:
         plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now, planned)
         self._prefetcher.submit(store, plan, self._now)
 
-    def _slots(self, store: TieredStore, kind: TierKind) -> int:
+    def _slots(self, occupancy: Occupancy, kind: TierKind) -> int:
         """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
-        tier = store.tier(kind)
         held = self._held.held(kind)
-        used = tier.used_bytes()
+        used = occupancy.used_bytes(kind)
         if not held or not used:
             return 1 << 30  # empty: no size to go by yet, and no one to push out
-        return int(tier.capacity_bytes() * held / used)
+        return int(occupancy.capacity_bytes(kind) * held / used)
 
     def _fits(
         self,
-        store: TieredStore,
+        occupancy: Occupancy,
         kind: TierKind,
         name: str,
         chances: dict[TierKind, tuple[float, float]],
     ) -> bool:
         """Whether tier ``kind`` has room, or session ``name`` with these chances ranks above
         the session next in line for eviction there."""
-        return self._has_room(store, kind) or chances[kind] > self._held.next_in_line(kind, name)
+        return (
+            self._has_room(occupancy, kind)
+            or chances[kind] > self._held.next_in_line(kind, name)
+        )
 
     @staticmethod
-    def _has_room(store: TieredStore, kind: TierKind) -> bool:
-        tier = store.tier(kind)
-        return tier.used_bytes() < FULL * tier.capacity_bytes()
+    def _has_room(occupancy: Occupancy, kind: TierKind) -> bool:
+        return occupancy.used_bytes(kind) < FULL * occupancy.capacity_bytes(kind)
 
     # -- ranking -----------------------------------------------------------
 

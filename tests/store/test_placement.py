@@ -17,7 +17,7 @@ from kvstore.block import HEADER_BYTES, Block, Codec, parse_header
 from kvstore.codec import CodecSpec, decode_payload
 from kvstore.keys import ChunkKey, chunk_keys
 from kvstore.store.chunk import chunk_bytes
-from kvstore.store.eviction import LRUPolicy
+from kvstore.store.eviction import LRUPolicy, Occupancy
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.index import BlockIndex, BlockMeta
 from kvstore.store.placement import Admission, Placement
@@ -45,7 +45,9 @@ class Routed(LRUPolicy):
         super().__init__()
         self.routes: dict[TierKind, TierKind] = {}
 
-    def destination(self, tier: TierKind, key: ChunkKey) -> TierKind | None:
+    def destination(
+        self, tier: TierKind, key: ChunkKey, occupancy: Occupancy
+    ) -> TierKind | None:
         return self.routes.get(tier)
 
 
