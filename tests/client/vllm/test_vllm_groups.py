@@ -178,6 +178,21 @@ def test_saves_name_each_group_and_skip_a_sliding_window_s_null_blocks() -> None
     side.close()
 
 
+def test_a_request_back_from_preemption_is_still_held_for_the_saves_planned_before() -> None:
+    """The workers hold a request once a save of it was planned; vLLM allocates a
+    preempted request again when it resumes, and, finished then before any new save,
+    it must still be held: else the workers name a request vLLM has freed."""
+    side = SchedulerSide(Answers(cached=0), GROUPS, BLOCK)  # type: ignore[arg-type]
+    asked = request("p", blocks=4)
+    full_ids, window_ids = [1, 2, 3, 4, 5], [NULL_BLOCK_ID, 7, 8, 9, 10]
+    side.allocated(asked, [full_ids, window_ids], 0)
+    _, saves = side.step(new_request_step("p", [full_ids, window_ids], 0, 4 * BLOCK + 1))
+    assert saves  # planned: the workers hold "p" from here on
+    side.allocated(asked, [full_ids, window_ids], 0)  # preempted, then resumed
+    assert side.finished(asked)
+    side.close()
+
+
 STORE_TOML = """\
 data_dir = "{data_dir}"
 
