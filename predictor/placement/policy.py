@@ -224,9 +224,7 @@ class PlacementPolicy:
         (``Holdings.victims``)."""
         return self._held.victims(tier)
 
-    def destination(
-        self, tier: TierKind, key: ChunkKey, occupancy: Occupancy
-    ) -> TierKind | None:
+    def destination(self, tier: TierKind, key: ChunkKey, occupancy: Occupancy) -> TierKind | None:
         """Where a victim of ``tier`` goes (``kvstore.store.placement`` asks): the first slower
         tier that has room or whose next victim the block's session outranks; the
         last tier if none. ``None`` (the next tier) when the policy has no say."""
