@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -87,37 +85,46 @@ def test_no_room_at_all_is_a_clear_error(tmp_path: Path) -> None:
     assert "TierUnavailable" in result.stdout and "no room" in result.stdout
 
 
-@needs_linux_shm
 def test_segments_of_a_killed_process_group_are_removed_by_the_next_tier(tmp_path: Path) -> None:
-    ready = tmp_path / "name"
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from kvstore.tiers.dram import DRAMTier\n"
-            "tier = DRAMTier(1 << 20)\n"
-            f"open({str(ready)!r}, 'w').write(tier.arena.name)\n"
-            "time.sleep(60)\n",
-        ],
-        start_new_session=True,  # its own process group, resource tracker included
-    )
-    deadline = time.monotonic() + 30
-    while not (ready.exists() and ready.read_text()):
-        assert time.monotonic() < deadline and child.poll() is None
-        time.sleep(0.05)
-    name = ready.read_text()
-    os.killpg(child.pid, signal.SIGKILL)  # as `systemctl kill` does: the tracker dies too
-    child.wait(timeout=10)
-    time.sleep(0.2)
-    assert (SHM / name).exists(), "the segment outlives its process group"
-    alive = DRAMTier(1 << 20)  # a live process's segment, which must stay
-    try:
-        assert not (SHM / name).exists()
-        assert (SHM / alive.arena.name).exists()
+    """Run in a /dev/shm of its own: any tier another test creates meanwhile would reap the
+    killed group's segment before this test's own tier could show that it does."""
+    result = _in_small_shm(
+        f"""
+        import os, signal, subprocess, sys, time
+        from pathlib import Path
+        from kvstore.tiers import shm_segments
+        from kvstore.tiers.dram import DRAMTier
+        ready = Path({str(tmp_path / "name")!r})
+        child = subprocess.Popen(
+            [sys.executable, "-c",
+             "import time\\n"
+             "from kvstore.tiers.dram import DRAMTier\\n"
+             "tier = DRAMTier(1 << 20)\\n"
+             f"open({{str(ready)!r}}, 'w').write(tier.arena.name)\\n"
+             "time.sleep(60)\\n"],
+            start_new_session=True,  # its own process group, resource tracker included
+        )
+        deadline = time.monotonic() + 30
+        while not (ready.exists() and ready.read_text()):
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+        name = ready.read_text()
+        os.killpg(child.pid, signal.SIGKILL)  # as `systemctl kill` does: the tracker dies too
+        child.wait(timeout=10)
+        shm = Path("/dev/shm")
+        assert (shm / name).exists(), "the segment outlives its process group"
+        alive = DRAMTier(1 << 20)  # a live process's segment, which must stay
+        assert not (shm / name).exists()
+        assert (shm / alive.arena.name).exists()
         assert name not in shm_segments.reap_stale()
-    finally:
         alive.close()
+        print("reaped", name)
+        """,
+        64 << 20,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "reaped kvstore-" in result.stdout
 
 
 @needs_linux_shm
