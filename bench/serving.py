@@ -68,6 +68,7 @@ from common import (  # noqa: E402
 from serving_client import (  # noqa: E402
     Record,
     identical_fraction,
+    per_request,
     run_figures,
     run_workload,
     warm_up,
@@ -260,7 +261,12 @@ def _one_run(
     figures = run_figures(result)
     log(f"  {_progress(figures)}")
     errors = [f"{r.session}/{r.turn}: {r.error}" for r in result.records if r.error]
-    return {"error": None, "figures": figures, "request_errors": errors[:10]}, result.records
+    return {
+        "error": None,
+        "figures": figures,
+        "request_errors": errors[:10],
+        "per_request": per_request(result.records),
+    }, result.records
 
 
 def _progress(figures: Mapping[str, Any]) -> str:
@@ -507,10 +513,15 @@ def _parser() -> argparse.ArgumentParser:
         help="kv-cache-tester traces (default $KVSTORE_TRACES_DIR, else "
         "../shared/data/traces; --quick: bench/fixtures/kv-cache-tester)",
     )
-    add("--agentic-sessions", type=int, help="conversations replayed at once (default 4)")
-    add("--agentic-requests", type=int, help="first requests of each (default 8)")
-    add("--agentic-block-tokens", type=int, help="tokens per 64-token trace block (default 16)")
-    add("--agentic-max-context", type=int, help="prompts cut to this (default 16384)")
+    agentic = FULL.agentic
+    add("--agentic-sessions", type=int, help=f"conversations (default {agentic.sessions})")
+    add("--agentic-requests", type=int, help=f"first calls of each (default {agentic.requests})")
+    add(
+        "--agentic-block-tokens",
+        type=int,
+        help=f"tokens per 64-token trace block (default {agentic.block_tokens})",
+    )
+    add("--agentic-max-context", type=int, help=f"prompts cut to (default {agentic.max_context})")
     add("--think-scale", type=float, help="think times multiplied by this (default 0.02)")
     add("--omp-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND in every configuration")
     add("--kvstore-dram", help="the daemon's DRAM tier (default 4GiB, quick 256MiB)")

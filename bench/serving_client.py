@@ -27,6 +27,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from common import percentile
@@ -217,6 +218,24 @@ def run_figures(result: RunResult) -> dict[str, float | int | None]:
             counters["vllm:prefix_cache_hits_total"], counters["vllm:prefix_cache_queries_total"]
         ),
     }
+
+
+def per_request(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """Each request in the order it finished, for reading a tail: which session and
+    turn it was, how much of its prompt vLLM found cached, and its TTFT."""
+    start = min((r.sent for r in records), default=0.0)
+    return [
+        {
+            "session": r.session,
+            "turn": r.turn,
+            "returning": r.returning,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "sent_s": r.sent - start,
+            "ttft_s": r.ttft if r.error is None else None,
+        }
+        for r in records
+    ]
 
 
 def loading_itl(records: Sequence[Record]) -> list[float]:

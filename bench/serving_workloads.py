@@ -100,7 +100,10 @@ class ChatShape:
 
 @dataclass(frozen=True)
 class AgenticShape:
-    sessions: int = 4
+    # 8, as chat's users: vLLM's cache then holds 3 of them, which is at least the 2 in
+    # flight at the longest context. With 4 it held 1.5, so a second request waited for
+    # the first one's blocks and TTFT measured admission, not the store.
+    sessions: int = 8
     requests: int = 6  # the first requests of each conversation (subagents left out)
     block_tokens: int = 8  # tokens per trace block (64 in the trace): contexts shrink 8x
     max_context: int = 8192  # prompts are cut to this minus the output
