@@ -69,6 +69,11 @@ def test_quick_run_completes_serves_returning_turns_and_changes_no_output(
             assert run["figures"].keys() == RUN_FIGURES
             assert run["figures"]["completed"] == workload["requests"]
             assert section["median"].keys() == RUN_FIGURES
+            assert len(run["per_request"]) == workload["requests"]
+            returning = [r["ttft_s"] for r in run["per_request"] if r["returning"]]
+            assert section["pooled"]["ttft_returning_samples"] == len(returning)
+            if returning:
+                assert section["pooled"]["ttft_returning_s_p99"] == max(returning)
             assert section["vs_vllm"]["output_tokens_per_s"] > 0
 
     chat = report["workloads"]["chat"]["configurations"]
