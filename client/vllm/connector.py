@@ -62,10 +62,12 @@ default socket), ``timeout_s`` (per I/O phase, default 2), ``batch_blocks``
 (blocks per put, or per get through staging, default 32), ``load_batch_blocks``
 (blocks per get of a load into a CPU cache's pages, default 256 MiB of them, at
 most 1,024: keep it within the daemon's ``max_batch_chunks``), ``lookup_wait_ms`` (default 2),
-``lookup_deadline_ms`` (default 100), ``async_load_mib`` (the smallest load made
-off the step, default 256), ``save_pool_mib`` (host memory for saves on their
-way, default 256), ``session_events`` (default true), ``tool_call_end_token_ids``
-(default none: no request reports a running tool).
+``lookup_deadline_ms`` (default 100: a lookup is waited for this long at least, or
+``lookup_deadline_share`` of its prompt's prefill time, default 0.1, if longer),
+``async_load_mib`` (the smallest load made off the step, default 256),
+``save_pool_mib`` (host memory for saves on their way, default 256),
+``session_events`` (default true), ``tool_call_end_token_ids`` (default none: no
+request reports a running tool).
 
 Hybrid models (``SupportsHMA``): vLLM's hybrid KV cache manager stays on, and
 each KV cache group (full attention, sliding window, MLA) is stored in a
@@ -102,7 +104,7 @@ import torch
 from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
-from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S
+from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat, lookup_group, page_formats
 from kvstore.client.vllm.saves import POOL_BYTES
 from kvstore.client.vllm.scheduler import SchedulerSide
@@ -144,6 +146,14 @@ def _milliseconds(config: Any, name: str, default_s: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e7:
         raise ConfigError(f"{name} must be a number of milliseconds, not {value!r}")
     return float(value) / 1e3
+
+
+def _fraction(config: Any, name: str, default: float) -> float:
+    """Extra config ``name``, a number from 0 to 1 (``default`` when absent)."""
+    value = config.get_from_extra_config(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(f"{name} must be a number from 0 to 1, not {value!r}")
+    return float(value)
 
 
 def _count(config: Any, name: str, default: int, least: int = 1) -> int:
@@ -195,6 +205,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 events,
                 lookup_wait_s=_milliseconds(transfer_config, "lookup_wait_ms", WAIT_S),
                 lookup_deadline_s=_milliseconds(transfer_config, "lookup_deadline_ms", DEADLINE_S),
+                lookup_deadline_share=_fraction(transfer_config, "lookup_deadline_share", SHARE),
                 async_load_bytes=async_mib << 20,
             )
         else:

@@ -12,13 +12,20 @@ lookup is never made there::
           ├─ answered ─────────► the cached chunks: vLLM loads them
           ├─ not yet ──────────► None: vLLM skips the request this step, asks again
           │                      next step; the others run
-          └─ deadline_s passed ► 0: nothing beyond vLLM's own hit, the request is
+          └─ its deadline passed ► 0: nothing beyond vLLM's own hit, the request is
              since it was sent     computed (and counted late)
 
 On a busy engine a lookup is answered before the scheduler reaches its request,
-and the ask costs nothing. A daemon that stalls costs each step at most
-``wait_s`` and each new request at most ``deadline_s`` of waiting, never a
-wrong block. A lookup that fails answers 0 at once (the client counts it).
+and the ask costs nothing. Since an ask never holds the step, a late answer costs
+only its own request, and giving up costs that request the prefill of its whole
+prompt (and every request queued behind it that prefill's time). So a request's
+deadline is ``deadline_s`` or ``share`` of its prompt's prefill time, whichever is
+longer, the prefill time from vLLM's own recent steps (``PrefillPace``): on
+vLLM-CPU an 8K-token prompt takes seconds to prefill, and giving up on its lookup
+after 100 ms (a daemon briefly busy landing another request's saves) cost a
+returning agent 21 s in the serving benchmark. A daemon that stalls costs each
+step at most ``wait_s`` and each new request at most its deadline, never a wrong
+block. A lookup that fails answers 0 at once (the client counts it).
 
 Threads: ``send``, ``answer``, ``new_step`` and ``forget`` are the scheduler
 thread's; the lookup thread runs only the ``lookup`` function it is given.
@@ -28,17 +35,27 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from kvstore.throttled_log import ThrottledLog
 
 log = logging.getLogger("kvstore.client.vllm")
 
 WAIT_S = 0.002
 """Default: what the scheduler waits for lookups in one step, all requests together."""
 DEADLINE_S = 0.1
-"""Default: how long after it was sent a lookup's answer is still taken."""
+"""Default: how long after it was sent a lookup's answer is still taken, at least."""
+SHARE = 0.1
+"""Default: the part of its prompt's prefill time a request may wait for its lookup."""
+PACE_MIN_TOKENS = 256
+"""Steps that schedule fewer tokens (decode steps) say little about prefill speed."""
+PACE_STEPS = 16
+"""The pace is the median over this many recent prefill steps."""
 
 
 @dataclass(slots=True)
@@ -56,6 +73,34 @@ class LookupCounts:
 class _Pending:
     future: concurrent.futures.Future[int]
     sent: float
+    deadline_s: float  # after ``sent``
+
+
+class PrefillPace:
+    """vLLM's seconds per scheduled token, over its recent prefill steps.
+
+    The scheduler side sees a step's tokens when it builds the step's metadata and
+    the next step's start when it builds the next one: their distance is the step's
+    execution. A step after which the engine sat idle reads slower than it was, so
+    the pace is a median of recent steps, not a mean; until one step is seen there is
+    no pace and deadlines are the floor.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._last: tuple[float, int] | None = None  # (when, tokens) of the step before
+        self._samples: deque[float] = deque(maxlen=PACE_STEPS)
+
+    def step(self, tokens: int) -> None:
+        """A step that schedules ``tokens`` starts now."""
+        now = self._clock()
+        if self._last is not None and self._last[1] >= PACE_MIN_TOKENS:
+            self._samples.append((now - self._last[0]) / self._last[1])
+        self._last = (now, tokens)
+
+    def seconds(self, tokens: int) -> float | None:
+        """What prefilling ``tokens`` takes at the recent pace; ``None``: none seen yet."""
+        return statistics.median(self._samples) * tokens if self._samples else None
 
 
 class Lookups:
@@ -70,14 +115,18 @@ class Lookups:
         lookup: Callable[[Any], int],
         wait_s: float = WAIT_S,
         deadline_s: float = DEADLINE_S,
+        share: float = SHARE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if wait_s < 0 or deadline_s < 0:
-            raise ValueError("a lookup's wait and deadline cannot be negative")
+        if wait_s < 0 or deadline_s < 0 or share < 0:
+            raise ValueError("a lookup's wait, deadline and share cannot be negative")
         self._lookup = lookup
         self._wait_s = wait_s
         self._deadline_s = deadline_s
+        self._share = share
         self._clock = clock
+        self.pace = PrefillPace(clock)
+        self._late = ThrottledLog(log, every_s=60.0)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "kvstore-lookup")
         self._pending: dict[str, _Pending] = {}  # req id -> its lookup
         self._waited = 0.0  # in this step
@@ -87,8 +136,16 @@ class Lookups:
         """Start ``request``'s lookup, unless one is already on its way."""
         if request.request_id not in self._pending:
             future = self._thread.submit(self._lookup, request)
-            self._pending[request.request_id] = _Pending(future, self._clock())
+            deadline_s = self.deadline_s(request.num_tokens)
+            self._pending[request.request_id] = _Pending(future, self._clock(), deadline_s)
             self.counts.sent += 1
+
+    def deadline_s(self, tokens: int) -> float:
+        """How long after it is sent the lookup of a ``tokens``-token prompt is waited for."""
+        prefill_s = self.pace.seconds(tokens)
+        if prefill_s is None:
+            return self._deadline_s
+        return max(self._deadline_s, self._share * prefill_s)
 
     def answer(self, request: Any) -> int | None:
         """The blocks ``request``'s lookup found; ``None``: not yet, ask again."""
@@ -105,16 +162,22 @@ class Lookups:
         if cached is not None:
             self.counts.answered += 1
             return cached
-        if now - pending.sent < self._deadline_s:
+        if now - pending.sent < pending.deadline_s:
             self.counts.not_yet += 1
             return None
         self.counts.late += 1
-        log.debug("kvstore lookup of request %s missed its deadline", request.request_id)
+        self._late.warning(
+            "kvstore lookup of request %s had no answer %.0f ms after it was sent: "
+            "computed without the store",
+            request.request_id,
+            (now - pending.sent) * 1e3,
+        )
         return 0
 
-    def new_step(self) -> None:
-        """The scheduler finished a step: the next one may wait ``wait_s`` again."""
+    def new_step(self, tokens: int) -> None:
+        """The scheduler built a step of ``tokens``: the next one may wait ``wait_s`` again."""
         self._waited = 0.0
+        self.pace.step(tokens)
 
     def forget(self, req_id: str) -> None:
         """``req_id`` was scheduled or ended: a later ask sends a fresh lookup."""

@@ -39,7 +39,7 @@ from typing import Any
 from kvstore.client.connect import KVClient
 from kvstore.client.vllm.block_keys import BlockKeys
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
-from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S, Lookups
+from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S, Lookups
 from kvstore.client.vllm.pages import NULL_BLOCK_ID, BlockTransfer, PageFormat, lookup_group
 from kvstore.client.vllm.sessions import SessionEvents
 from kvstore.errors import KVStoreError
@@ -78,6 +78,7 @@ class SchedulerSide:
         *,
         lookup_wait_s: float = WAIT_S,
         lookup_deadline_s: float = DEADLINE_S,
+        lookup_deadline_share: float = SHARE,
         async_load_bytes: int = ASYNC_LOAD_BYTES,
     ) -> None:
         pages = groups[lookup_group(groups)]
@@ -91,7 +92,9 @@ class SchedulerSide:
         self._pages = pages  # the group lookups ask for
         self._hashes_per_block = pages.block_size // hash_block_size
         self._block_keys = BlockKeys(pages)
-        self.lookups = Lookups(self._cached_blocks, lookup_wait_s, lookup_deadline_s)
+        self.lookups = Lookups(
+            self._cached_blocks, lookup_wait_s, lookup_deadline_s, lookup_deadline_share
+        )
         self._answers: dict[str, _Answer] = {}  # req id -> what the last ask answered
         # The fewest blocks loaded asynchronously: async_load_bytes of KV, rounded up;
         # with several groups, every load (vLLM takes no block-level load error then).
@@ -244,7 +247,7 @@ class SchedulerSide:
 
     def step(self, scheduler_output: Any) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
         """This step's loads and saves (``build_connector_meta``); resets the pending loads."""
-        self.lookups.new_step()
+        self.lookups.new_step(sum(scheduler_output.num_scheduled_tokens.values()))
         loads = [load for planned in self._loads.values() for load in planned]
         self._loads.clear()
         self._loading.update(load.req_id for load in loads if load.asynchronous)

@@ -19,7 +19,7 @@ from support.daemon import Daemon
 import kvstore
 from kvstore.client.vllm import block_keys
 from kvstore.client.vllm.block_keys import BlockKeys
-from kvstore.client.vllm.lookups import Lookups
+from kvstore.client.vllm.lookups import Lookups, PrefillPace
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.client.vllm.scheduler import SchedulerSide
 
@@ -94,7 +94,7 @@ def test_a_slow_lookup_costs_each_step_its_wait_and_each_request_its_deadline(
         step = time.monotonic()
         answers.append((lookups.answer(first), lookups.answer(second)))
         steps.append(time.monotonic() - step)
-        lookups.new_step()
+        lookups.new_step(1)  # a decode step: no pace, so the deadline is the floor
         time.sleep(0.01)
     # Both asks of a step share one wait; no step waited more than it.
     assert max(steps) < WAIT_S + 0.015
@@ -105,6 +105,48 @@ def test_a_slow_lookup_costs_each_step_its_wait_and_each_request_its_deadline(
     gate.open.set()
     time.sleep(0.05)
     assert lookups.answer(first) == 3
+    lookups.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_prefill_pace_is_the_median_of_recent_prefill_steps() -> None:
+    clock = Clock()
+    pace = PrefillPace(clock)
+    assert pace.seconds(1000) is None  # nothing seen: no pace
+    for tokens, seconds in [(2048, 2.048), (4, 0.03), (2048, 2.048), (1024, 60.0), (2048, 2.048)]:
+        pace.step(tokens)
+        clock.now += seconds
+    pace.step(0)
+    # A decode step (4 tokens) is not a sample; the step followed by a minute idle
+    # (1024 tokens, 60 s) is one, and the median leaves it out.
+    assert pace.seconds(8000) == pytest.approx(8.0)
+
+
+def test_a_long_prompt_waits_for_its_lookup_a_share_of_its_prefill_time(gate: Gate) -> None:
+    clock = Clock()
+    lookups = Lookups(gate, wait_s=0.001, deadline_s=0.1, share=0.1, clock=clock)
+    for _ in range(3):  # 2,048 tokens a second
+        lookups.new_step(2048)
+        clock.now += 1.0
+    lookups.new_step(1)
+    long, short = request("long", blocks=1000), request("short", blocks=2)  # 16,001 and 33 tokens
+    assert lookups.deadline_s(long.num_tokens) == pytest.approx(0.1 * 16001 / 2048)
+    assert lookups.deadline_s(short.num_tokens) == 0.1  # the floor
+    lookups.send(long)
+    lookups.send(short)
+    clock.now += 0.5
+    assert lookups.answer(long) is None  # 0.5 s of 0.78: still waited for
+    assert lookups.answer(short) == 0  # past its 0.1 s
+    clock.now += 0.3
+    assert lookups.answer(long) == 0
+    assert lookups.counts.late == 2
     lookups.close()
 
 
