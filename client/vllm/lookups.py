@@ -17,15 +17,13 @@ lookup is never made there::
 
 On a busy engine a lookup is answered before the scheduler reaches its request,
 and the ask costs nothing. Since an ask never holds the step, a late answer costs
-only its own request, and giving up costs that request the prefill of its whole
-prompt (and every request queued behind it that prefill's time). So a request's
-deadline is ``deadline_s`` or ``share`` of its prompt's prefill time, whichever is
-longer, the prefill time from vLLM's own recent steps (``PrefillPace``): on
-vLLM-CPU an 8K-token prompt takes seconds to prefill, and giving up on its lookup
-after 100 ms (a daemon briefly busy landing another request's saves) cost a
-returning agent 21 s in the serving benchmark. A daemon that stalls costs each
-step at most ``wait_s`` and each new request at most its deadline, never a wrong
-block. A lookup that fails answers 0 at once (the client counts it).
+only its own request, while giving up costs that request the prefill of its whole
+prompt (and every request queued behind it that prefill's time: on vLLM-CPU an
+8K-token prompt takes about 15 s). So a request's deadline is ``deadline_s`` or
+``share`` of its prompt's prefill time, whichever is longer, the prefill time at
+vLLM's own recent pace (``PrefillPace``). A daemon that stalls costs each step at
+most ``wait_s`` and each new request at most its deadline, never a wrong block.
+A lookup that fails answers 0 at once (the client counts it).
 
 Threads: ``send``, ``answer``, ``new_step`` and ``forget`` are the scheduler
 thread's; the lookup thread runs only the ``lookup`` function it is given.
