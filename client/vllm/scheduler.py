@@ -184,8 +184,8 @@ class SchedulerSide:
         # Allocated again when it comes back from preemption: the workers still hold the
         # saves planned before, so vLLM must hold it at its end and hear of it once.
         before = self._tracked.get(req_id)
-        self._tracked[req_id] = _Tracked(request, [list(ids) for ids in block_ids])
-        self._tracked[req_id].saving = before is not None and before.saving
+        saving = before is not None and before.saving
+        self._tracked[req_id] = _Tracked(request, [list(ids) for ids in block_ids], saving=saving)
         self._loads.pop(req_id, None)
         answer = self._answers.get(req_id, _Answer(0))
         local = answer.local_tokens
