@@ -6,6 +6,8 @@ Each run starts everything fresh, so no run finds another's cache::
     kvstore     kvstore serve (DRAM + LMDB, main env) on a Unix socket in the
                 run's directory  <-  vLLM (.venv-vllm) with KVStoreConnector
     kvstore-async  the same with every load asynchronous (async_load_mib 0)
+    kvstore-fixed-wait  the same with the scheduler's wait for lookups fixed at
+                lookup_wait_ms (lookup_wait_share 0), not a share of a step
     lmcache-shm lmcache server (.venv-lmcache) on loopback TCP  <-  vLLM
     lmcache     (.venv-lmcache) with LMCacheMPConnector, lmcache_driven (the
                 worker's KV cache moved to shared memory) or engine_driven
@@ -115,6 +117,9 @@ CONFIGURATIONS = {
         Configuration("vllm", Connector.NONE),
         Configuration("kvstore", Connector.KVSTORE),
         Configuration("kvstore-async", Connector.KVSTORE, connector_config={"async_load_mib": 0}),
+        Configuration(
+            "kvstore-fixed-wait", Connector.KVSTORE, connector_config={"lookup_wait_share": 0}
+        ),
         Configuration("lmcache-shm", Connector.LMCACHE_SHM),
         Configuration("lmcache", Connector.LMCACHE),
         Configuration("vllm-big", Connector.NONE, big_cache=True),

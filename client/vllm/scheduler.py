@@ -39,7 +39,7 @@ from typing import Any
 from kvstore.client.connect import KVClient
 from kvstore.client.vllm.block_keys import BlockKeys
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
-from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S, Lookups
+from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S, WAIT_SHARE, Lookups
 from kvstore.client.vllm.pages import NULL_BLOCK_ID, BlockTransfer, PageFormat, lookup_group
 from kvstore.client.vllm.sessions import SessionEvents
 from kvstore.errors import KVStoreError
@@ -77,6 +77,7 @@ class SchedulerSide:
         events: SessionEvents | None = None,
         *,
         lookup_wait_s: float = WAIT_S,
+        lookup_wait_share: float = WAIT_SHARE,
         lookup_deadline_s: float = DEADLINE_S,
         lookup_deadline_share: float = SHARE,
         async_load_bytes: int = ASYNC_LOAD_BYTES,
@@ -93,7 +94,11 @@ class SchedulerSide:
         self._hashes_per_block = pages.block_size // hash_block_size
         self._block_keys = BlockKeys(pages)
         self.lookups = Lookups(
-            self._cached_blocks, lookup_wait_s, lookup_deadline_s, lookup_deadline_share
+            self._cached_blocks,
+            lookup_wait_s,
+            lookup_deadline_s,
+            lookup_deadline_share,
+            wait_share=lookup_wait_share,
         )
         self._answers: dict[str, _Answer] = {}  # req id -> what the last ask answered
         # The fewest blocks loaded asynchronously: async_load_bytes of KV, rounded up;

@@ -19,7 +19,7 @@ from support.daemon import Daemon
 import kvstore
 from kvstore.client.vllm import block_keys
 from kvstore.client.vllm.block_keys import BlockKeys
-from kvstore.client.vllm.lookups import Lookups, PrefillPace
+from kvstore.client.vllm.lookups import Lookups, StepPace
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.client.vllm.scheduler import SchedulerSide
 
@@ -116,17 +116,40 @@ class Clock:
         return self.now
 
 
-def test_the_prefill_pace_is_the_median_of_recent_prefill_steps() -> None:
+def test_the_paces_are_medians_of_recent_steps() -> None:
     clock = Clock()
-    pace = PrefillPace(clock)
-    assert pace.seconds(1000) is None  # nothing seen: no pace
+    pace = StepPace(clock)
+    assert pace.seconds(1000) is None and pace.step_s() is None  # nothing seen: no pace
     for tokens, seconds in [(2048, 2.048), (4, 0.03), (2048, 2.048), (1024, 60.0), (2048, 2.048)]:
         pace.step(tokens)
         clock.now += seconds
     pace.step(0)
-    # A decode step (4 tokens) is not a sample; the step followed by a minute idle
-    # (1024 tokens, 60 s) is one, and the median leaves it out.
+    # A decode step (4 tokens) is no sample of the prefill pace; the step followed by
+    # a minute idle (1024 tokens, 60 s) is one, and the median leaves it out.
     assert pace.seconds(8000) == pytest.approx(8.0)
+    assert pace.step_s() == pytest.approx(2.048)  # of all five steps
+
+
+def test_a_step_waits_for_lookups_a_share_of_its_time_or_the_floor(gate: Gate) -> None:
+    clock = Clock()
+    lookups = Lookups(gate, wait_s=0.002, wait_share=0.05, clock=clock)
+    assert lookups.step_wait_s() == 0.002  # no step seen
+    for _ in range(3):
+        lookups.new_step(4)
+        clock.now += 0.010  # 10 ms steps: 5% is under the floor
+    lookups.new_step(4)
+    assert lookups.step_wait_s() == 0.002
+    for _ in range(16):
+        lookups.new_step(4)
+        clock.now += 4.0  # 4 s steps (a CPU engine prefilling): 200 ms
+    lookups.new_step(4)
+    assert lookups.step_wait_s() == pytest.approx(0.2)
+    # A lookup answered soon after it was sent is taken in the step it arrived in.
+    lookups.send(request("a"))
+    threading.Timer(0.005, gate.open.set).start()
+    assert lookups.answer(request("a")) == 3
+    assert lookups.counts.not_yet == 0
+    lookups.close()
 
 
 def test_a_long_prompt_waits_for_its_lookup_a_share_of_its_prefill_time(gate: Gate) -> None:
