@@ -11,7 +11,7 @@ This drives ``client.vllm.scheduler.SchedulerSide`` as vLLM's scheduler does
 (no vLLM needed: requests are the fields the side reads) through a real
 ``kvstore serve`` daemon (DRAM, predictor on) that holds each call's context::
 
-    arrive (on_new_request) ─ rest of the step ─► ask (get_num_new_matched_tokens),
+    arrive (on_new_request) ─ at once ─► ask (get_num_new_matched_tokens),
       again each step while it answers None ─► allocated (update_state_after_alloc)
       ─► step (build_connector_meta: the load and the saves) ─► finished
       (request_finished) ─ a tool's few ms ─► the next call of the session
@@ -41,7 +41,6 @@ is its key count, not its payload.
 from __future__ import annotations
 
 import hashlib
-import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -191,9 +190,7 @@ def store_chain(store: KVClient, hashes: Sequence[bytes]) -> None:
         store.put(namespace, [*parent, *batch], chunks)
 
 
-def run_session(
-    side: SchedulerSide, name: str, calls: int, figures: Figures, rng: random.Random
-) -> None:
+def run_session(side: SchedulerSide, name: str, calls: int, figures: Figures) -> None:
     """One agent session: ``calls`` calls, each its predecessor's context plus
     ``NEW_TOKENS``; the first is not measured (its keys are derived the first time)."""
     size = PAGES.block_size
@@ -204,9 +201,8 @@ def run_session(
         request = call(f"{name}-{index}", hashes, prompt)
         spent, waited = 0.0, 0
         start = time.perf_counter()
-        side.arrived(request)
-        spent += time.perf_counter() - start
-        time.sleep(rng.uniform(0.0, STEP_S))  # the rest of the step it arrived in
+        side.arrived(request)  # vLLM adds a request right before it builds a step,
+        spent += time.perf_counter() - start  # so the lookup has no head start
         while True:
             start = time.perf_counter()
             tokens, _ = side.matched_tokens(request, 0)
@@ -281,11 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = bench_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, help="sessions per case (default 6, quick 2)")
     parser.add_argument("--calls", type=int, help="calls per session (default 12, quick 4)")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     sessions = args.sessions or (2 if args.quick else 6)
     calls = args.calls or (4 if args.quick else 12)
-    rng = random.Random(args.seed)
     with bench_session() as stack:
         root = stack.enter_context(temp_dir("kvs-scheduler-"))
         process, socket_path = dram_daemon(root, "1GiB", predictor="tick_s = 1.0")
@@ -302,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name = f"{run.case.name}/{rep}"
                 store_chain(store, session_hashes(name, total // PAGES.block_size + 1))
                 log(f"session {rep + 1}/{sessions}: {run.case.name}")
-                run_session(run.side, name, calls, run.figures, rng)
+                run_session(run.side, name, calls, run.figures)
         results = {
             run.case.name: run.figures.summary(run.timed.seconds, run.side.lookups.counts.late)
             for run in running

