@@ -13,7 +13,8 @@
     reservation.py   space in an arena written before anyone may read it (a daemon's
                      put lands its blocks there), published or given back
     eviction.py      EvictionPolicy (which block leaves a tier first) and LRU
-    index.py         which tiers hold each chunk, its parent, its pins
+    index.py         which tiers hold each chunk, its parent, its pins; per tier, the
+                     prefix tree eviction takes leaves of
     reader.py        reading and verifying blocks out of a tier
     guarded.py       a tier failure as a miss, in one place
     write_through.py every put copied to a shared tier (Redis), off the put's path

@@ -1,8 +1,8 @@
 """Eviction policy: which block leaves a tier first under capacity pressure, and where it goes.
 
 The store owns placement mechanics (``kvstore.store.placement``: demote on
-pressure, drop only from the last tier, skip pinned and protected blocks); a
-policy only orders candidates and, if it wants, names their destination. It
+pressure, drop only from the last tier, take leaves only, skip pinned and
+protected blocks); a policy only orders candidates and, if it wants, names their destination. It
 is told about every insertion, access and removal per tier, and answers
 ``victims(tier)``: keys in the order they should go, and
 ``destination(tier, key, occupancy)``: the tier a victim is written back to, or
@@ -11,13 +11,12 @@ one thing of the store a policy reads while the store evicts). The return-time p
 (``kvstore.predictor.placement.policy``) plugs in here by implementing the
 same protocol; so does any other.
 
-Prefix awareness comes from the order of notifications. The store always
-reports a chain head first (``keys[0]`` is the oldest ancestor). ``LRUPolicy``
-records them tail first, so within one access the head ends up most recent:
-the tail of a chain is evicted before its head, and because any access to a
-chunk is also an access to its whole prefix, a parent is never less recent
-than its child. A cached prefix therefore stays a prefix as the hierarchy
-sheds load.
+Prefix awareness is the store's: it takes only the leaves of a policy's order
+(``BlockIndex.leaves``), so a block with a child in the same tier stays whatever
+the order says, and a cached prefix stays a prefix as the hierarchy sheds load.
+The store reports a chain head first (``keys[0]`` is the oldest ancestor) and
+``LRUPolicy`` records them tail first, so within one access the head ends up
+most recent and a chain's tail is offered before its head.
 """
 
 from __future__ import annotations

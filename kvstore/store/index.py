@@ -1,10 +1,15 @@
 """The store's index: for every chunk, which tiers hold a copy, its parent, its pins.
 
-The index is the store's memory of placement. It is authoritative for the
-process-local tiers (HBM, DRAM, LMDB, whose contents are rebuilt from a scan
-after a restart) and advisory for shared tiers (Redis), which other processes
-write to and the server may evict from: a key the index does not know may
-still be found there. ``RecentMisses`` remembers, for a moment, the keys a
+The index is the store's memory of placement, and its prefix tree: a chunk key
+names its whole prefix, so a block's parent never changes, and the index counts,
+per tier, the children each block has there. Eviction takes leaves only
+(``leaves``): a cached prefix stays a prefix, and a system prompt every session
+shares outlives the chains that extend it, whoever touched it last.
+
+The index is authoritative for the process-local tiers (HBM, DRAM, LMDB, whose
+contents are rebuilt from a scan after a restart) and advisory for shared tiers
+(Redis), which other processes write to and the server may evict from: a key the
+index does not know may still be found there. ``RecentMisses`` remembers, for a moment, the keys a
 shared tier said it lacks, so a lookup that misses again and again (an engine
 asking for a prefix nobody has cached) costs that tier one round trip, not one
 per lookup.
@@ -21,7 +26,7 @@ advice, and the get that follows verifies what it reads.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ChunkKey
@@ -59,6 +64,8 @@ class BlockIndex:
 
     def __init__(self) -> None:
         self._entries: dict[ChunkKey, BlockMeta] = {}
+        # Per tier: how many children each block has held there (the prefix tree).
+        self._children: dict[TierKind, dict[ChunkKey, int]] = {kind: {} for kind in TierKind}
 
     def get(self, key: ChunkKey) -> BlockMeta | None:
         return self._entries.get(key)
@@ -95,12 +102,18 @@ class BlockIndex:
         nbytes: int,
         session: str | None = None,
     ) -> BlockMeta:
-        """Note that tier ``kind`` now holds ``key`` in ``nbytes`` stored bytes."""
+        """Note that tier ``kind`` now holds ``key`` in ``nbytes`` stored bytes. A parent
+        named for a block indexed without one (found in a shared tier, say) makes it a
+        child in every tier holding it."""
         meta = self._entries.get(key)
         if meta is None:
             meta = self._entries[key] = BlockMeta(namespace, parent)
         elif meta.parent is None and parent is not None:
             meta.parent = parent
+            for held in meta.sizes:
+                self._adopt(held, parent)
+        if kind not in meta.sizes and meta.parent is not None:
+            self._adopt(kind, meta.parent)
         meta.sizes[kind] = nbytes
         if meta.fastest is None or kind < meta.fastest:
             meta.fastest = kind
@@ -114,10 +127,35 @@ class BlockIndex:
         if meta is None or kind not in meta.sizes:
             return False
         del meta.sizes[kind]
+        if meta.parent is not None:
+            children = self._children[kind]
+            children[meta.parent] -= 1
+            if not children[meta.parent]:
+                del children[meta.parent]
         if not meta.sizes:
             del self._entries[key]
         meta.fastest = min(meta.sizes, default=None)
         return True
+
+    def _adopt(self, kind: TierKind, parent: ChunkKey) -> None:
+        children = self._children[kind]
+        children[parent] = children.get(parent, 0) + 1
+
+    def leaves(self, kind: TierKind, order: Iterable[ChunkKey]) -> Iterator[ChunkKey]:
+        """The blocks of ``order`` without a child in tier ``kind``: the ones eviction
+        may take. A block whose children were all yielded earlier in the same walk
+        counts as a leaf: a chain goes tail first, so one walk can free a whole chain,
+        not only its tail (the store skips a pinned block, and a request pins its whole
+        prefix with it)."""
+        children, entries = self._children[kind], self._entries
+        offered: dict[ChunkKey, int] = {}  # children of each block yielded in this walk
+        for key in order:
+            if children.get(key, 0) > offered.get(key, 0):
+                continue
+            meta = entries.get(key)
+            if meta is not None and meta.parent is not None and kind in meta.sizes:
+                offered[meta.parent] = offered.get(meta.parent, 0) + 1
+            yield key
 
     def holds(self, kind: TierKind, key: ChunkKey) -> bool:
         meta = self._entries.get(key)

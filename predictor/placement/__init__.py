@@ -5,10 +5,9 @@
     hooks.py      the session-policy protocol (on_idle, on_resume, tick), forecasts, prefetch counts
     policy.py     PlacementPolicy: placement and eviction by forecast return
     thresholds.py   its per-tier horizons and keep thresholds (PlacementConfig)
-    holdings.py   what each tier holds, whose it is, in eviction order (leaves only)
+    holdings.py   what each tier holds, whose it is, in eviction order
     prefetching.py  its prefetches, run in the hook or later off the store's lock
     ranking.py    eviction order inside a tier; where between horizons returns fall
-    prefix_tree.py  the parent links that keep eviction to leaves
     decisions.py  the log of what the policy decided for each session, and why
     baselines.py  LRU and a fixed idle timeout, with the same hooks
 

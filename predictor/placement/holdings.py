@@ -2,10 +2,11 @@
 
 Each block belongs to the last session that touched it; per tier, a ``TierRanking``
 files the blocks under their sessions in eviction order (the policy ranks the
-sessions), blocks no session touched go first in LRU order, and only leaves go
-(``PrefixTree``): a block with a child in the same tier stays, so a cached prefix
-stays a prefix. Per tier it also keeps when each block came in and the mean stay of
-the blocks pressure pushed out: how long a block kept there now is likely to stay.
+sessions) and blocks no session touched go first in LRU order; the store takes
+leaves of that order only (``BlockIndex.leaves``), so the structure of the chains
+is the store's, and this is ownership and ranking. Per tier it also keeps when each
+block came in and the mean stay of the blocks pressure pushed out: how long a block
+kept there now is likely to stay.
 
 Moves the policy makes itself (``demote``, ``write_down``) happen inside ``moving``:
 those blocks did not leave under pressure, so their stay is not counted, nor is
@@ -19,7 +20,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.predictor.placement.prefix_tree import PrefixTree
 from kvstore.predictor.placement.ranking import TierRanking
 from kvstore.store.eviction import LRUPolicy
 from kvstore.store.tiered_store import TieredStore
@@ -38,7 +38,6 @@ class Holdings:
         self._entered: dict[TierKind, dict[ChunkKey, float]] = {kind: {} for kind in TierKind}
         self._residence: dict[TierKind, float] = {}  # mean stay before eviction, per tier
         self._moving: set[ChunkKey] = set()  # keys the policy is moving right now
-        self._prefixes = PrefixTree()
         # The keys the last walk of each tier offered (``victims``): those of them that
         # leave, outside ``moving``, were pushed out by pressure.
         self._offered: dict[TierKind, set[ChunkKey]] = {kind: set() for kind in TierKind}
@@ -56,7 +55,6 @@ class Holdings:
         for key in keys:  # once per block a request reads or writes: kept lean
             if key not in entered:
                 entered[key] = now
-                self._prefixes.entered(tier, key)
             if session is not None:
                 owners[key] = owner = session
             elif (known := owners.get(key)) is not None:
@@ -97,7 +95,6 @@ class Holdings:
     def left(self, tier: TierKind, key: ChunkKey, now: float) -> None:
         """``key`` is no longer in ``tier``."""
         self.tiers[tier].remove(key)
-        self._prefixes.left(tier, key)
         since = self._entered[tier].pop(key, None)
         if since is not None and key not in self._moving:
             stay = now - since
@@ -108,19 +105,13 @@ class Holdings:
         self._anonymous.on_remove(tier, key)
         if not any(key in entered for entered in self._entered.values()):
             self._owner.pop(key, None)
-            self._prefixes.forget(key)
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
-        """Blocks no session touched, then sessions' blocks in rank order, leaves only."""
+        """Blocks no session touched, then sessions' blocks in rank order."""
         walked = self._offered[tier] = set()
-        order = itertools.chain(self._anonymous.victims(tier), self.tiers[tier].victims())
-        for key in self._prefixes.leaves(tier, order):
+        for key in itertools.chain(self._anonymous.victims(tier), self.tiers[tier].victims()):
             walked.add(key)
             yield key
-
-    def learn(self, chain: Sequence[ChunkKey]) -> None:
-        """Learn the parent links of a session's chain (``PrefixTree.learn``)."""
-        self._prefixes.learn(chain, self._entered)
 
     @contextmanager
     def moving(self, keys: Iterable[ChunkKey]) -> Iterator[None]:

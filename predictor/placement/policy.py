@@ -56,10 +56,10 @@ touched it. ``victims(tier)`` ranks sessions by the chance that they are back
 while a block kept in that tier would stay there (the tier's measured mean
 residence before eviction, at most its horizon), ties by the chance that they
 come back at all, then least recently touched first; a session's blocks go
-tail first. Only leaves go: a block with a child in the same tier stays, so a cached
-prefix stays a prefix and a system prompt shared by every session outlives the chains
-that extend it, whoever touched it last. Blocks of running sessions rank last; blocks
-no session touched rank first, LRU. Who owns what, where, in which order, and how long
+tail first. The store takes only leaves of that order (``BlockIndex.leaves``), so a
+system prompt shared by every session outlives the chains that extend it, whoever
+touched it last. Blocks of running sessions rank last; blocks no session touched rank
+first, LRU. Who owns what, where, in which order, and how long
 blocks stay in each tier is kept by ``placement.holdings``; this module ranks.
 
 Ownership, not membership, decides what a session's idle placement moves, so
@@ -220,8 +220,8 @@ class PlacementPolicy:
         evictions[(owner, tier, to)] = self._decide(session, Action.EVICT, tier, to, 1, why)
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
-        """Blocks no session touched, then sessions' blocks in rank order, leaves only
-        (``Holdings.victims``)."""
+        """Blocks no session touched, then sessions' blocks in rank order
+        (``Holdings.victims``); the store takes the leaves among them."""
         return self._held.victims(tier)
 
     def destination(self, tier: TierKind, key: ChunkKey, occupancy: Occupancy) -> TierKind | None:
@@ -251,7 +251,6 @@ class PlacementPolicy:
         self._forecast(session, forecast, now)
         session.state = state
         session.target = None
-        self._held.learn(state.chain)
         return self._place(store, session, now, fresh=True)
 
     def on_forecast(
@@ -278,7 +277,6 @@ class PlacementPolicy:
         session.active = True
         session.state = state
         session.epoch += 1
-        self._held.learn(state.chain)
         self._rerank(session)
         self._prefetch(store, session, store.tier_kinds[0], _RESUMED)
 

@@ -153,3 +153,57 @@ def test_lineage_puts_the_indexed_ancestors_of_a_chains_head_before_it() -> None
     assert index.lineage(keys[3:4]) == keys[2:4]
     unknown = chunk_keys(OTHER, kv.tokens(1))
     assert index.lineage(unknown) == unknown
+
+
+# The prefix tree: root <- shared <- (a1 <- a2) and (b1), two chains extending one prefix.
+ROOT, SHARED, A1, A2, B1 = chunk_keys(NS, kv.tokens(5))
+
+
+def _tree(*kinds: TierKind) -> BlockIndex:
+    index = BlockIndex()
+    for kind in kinds:
+        for key, parent in ((ROOT, None), (SHARED, ROOT), (A1, SHARED), (A2, A1), (B1, SHARED)):
+            index.record(kind, key, NS.digest, parent, 64)
+    return index
+
+
+def test_only_leaves_are_offered_and_a_walk_can_free_a_whole_chain() -> None:
+    index = _tree(HBM)
+    # Offered in the order given, a parent follows once every child of it went before.
+    assert list(index.leaves(HBM, [SHARED, A2, A1, B1, SHARED, ROOT])) == [A2, A1, B1, SHARED, ROOT]
+    # A walk that never offers B1 keeps the shared prefix it extends.
+    assert list(index.leaves(HBM, [A2, A1, SHARED, ROOT])) == [A2, A1]
+    # A key the index does not know is offered: the store tells the policy it is gone.
+    assert list(index.leaves(HBM, [D])) == [D]
+
+
+def test_children_are_counted_per_tier_as_blocks_enter_and_leave() -> None:
+    index = _tree(HBM)
+    index.drop(HBM, A2)
+    index.drop(HBM, B1)
+    index.record(DRAM, A2, NS.digest, A1, 64)
+    assert list(index.leaves(HBM, [SHARED, ROOT, A1])) == [A1]
+    assert list(index.leaves(DRAM, [A2])) == [A2]  # its parent is not in DRAM
+    index.drop(HBM, A1)
+    assert list(index.leaves(HBM, [SHARED, ROOT])) == [SHARED, ROOT]
+    index.record(HBM, A1, NS.digest, SHARED, 64)
+    index.record(HBM, A1, NS.digest, SHARED, 64)  # recorded twice, a child once
+    index.drop(HBM, A1)
+    assert list(index.leaves(HBM, [SHARED])) == [SHARED]
+
+
+def test_a_parent_named_later_makes_a_child_in_every_tier_holding_the_block() -> None:
+    index = BlockIndex()
+    index.record(HBM, SHARED, NS.digest, ROOT, 64)
+    index.record(HBM, A1, NS.digest, None, 64)  # found in a shared tier: no parent known
+    index.record(DRAM, A1, NS.digest, None, 64)
+    assert list(index.leaves(HBM, [SHARED])) == [SHARED]
+    index.record(SSD, A1, NS.digest, SHARED, 64)
+    assert list(index.leaves(HBM, [SHARED])) == []
+    index.drop(HBM, A1)
+    assert list(index.leaves(HBM, [SHARED])) == [SHARED]
+    index.drop(DRAM, A1)
+    index.drop(SSD, A1)  # the entry goes with its last copy; no count is left behind
+    index.record(HBM, A1, NS.digest, SHARED, 64)
+    index.drop(HBM, A1)
+    assert list(index.leaves(HBM, [SHARED])) == [SHARED]

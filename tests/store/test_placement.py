@@ -150,6 +150,18 @@ def test_a_full_tier_writes_its_least_recent_block_back_to_the_next_tier(build: 
     assert stack.placement.tiers[DRAM].used_bytes() == 3 * kv.ARENA_SLOT
 
 
+def test_eviction_takes_leaves_only_whatever_the_policys_order(build: Build) -> None:
+    stack = build(dram=3, ssd=1 << 20)
+    stack.admit(DRAM, A[:2])
+    stack.admit(DRAM, A[2:3])  # a later call extends the chain
+    assert list(stack.policy.victims(DRAM)) == [A[1], A[0], A[2]]  # least recent first
+    assert stack.admit(DRAM, B[:1]) == {B[0]}
+    # LRU's first victim, A[1], is the middle of a cached chain: the tail goes instead.
+    assert [set(stack.where(key)) for key in A[:3]] == [{DRAM}, {DRAM}, {SSD}]
+    assert stack.admit(DRAM, B[1:2]) == {B[1]}
+    assert [set(stack.where(key)) for key in A[:3]] == [{DRAM}, {SSD}, {SSD}]
+
+
 def test_a_chain_longer_than_the_tier_keeps_its_head_and_spills_its_tail(build: Build) -> None:
     stack = build(dram=3, ssd=1 << 20)
     assert stack.admit(DRAM, A) == set(A)

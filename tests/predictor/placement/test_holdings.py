@@ -25,16 +25,14 @@ def test_blocks_belong_to_the_last_session_that_touched_them() -> None:
     assert held.level("a") is HBM and held.level("c") is None
 
 
-def test_only_leaves_leave_and_unowned_blocks_go_first() -> None:
+def test_unowned_blocks_go_first_then_a_sessions_blocks_tail_first() -> None:
     held = Holdings()
     a, loose = chain("a", 3), chain("x", 1)
-    held.learn(a)
     held.entered(HBM, a, "a", now=0.0)
     held.entered(HBM, loose, None, now=0.0)
     held.tiers[HBM].rank("a", (0.5, 0.5, 1))
     order = held.victims(HBM)
-    assert next(order) == loose[0]
-    assert next(order) == a[2]  # the tail: its parents have a child in the tier
+    assert [next(order), next(order)] == [loose[0], a[2]]
     assert held.pushed_out(HBM, a[2]) == "a"
     assert held.pushed_out(HBM, a[0]) is None  # not offered
 
