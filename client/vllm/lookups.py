@@ -22,10 +22,11 @@ So a step waits ``wait_s`` or ``wait_share`` of a step's time at vLLM's recent
 pace, whichever is longer: on an engine whose steps take 60 ms (vLLM-CPU) a
 lookup of a few ms is taken in the step it arrives in, while on one whose steps
 take 20 ms the wait stays at ``wait_s``; the running requests' tokens come at
-most that share later. A lookup that recent ones say will not be answered within
-what is left of the wait (the median time from send to answer, less the time it
-has been on its way) is not waited for at all: a daemon slowed by other work
-would otherwise cost every step its whole wait for nothing.
+most that share later. A lookup that not even the fastest of the recent ones
+would have answered within what is left of the wait (their time from send to
+answer, less the time this one has been on its way) is not waited for at all: a
+daemon slowed by other work would otherwise cost every step its whole wait for
+nothing, while lookups that sometimes make it are still waited for.
 
 Beyond the step's wait an ask never holds the step, so a late answer costs only
 its own request, while giving up costs that request the prefill of its whole
@@ -228,10 +229,15 @@ class Lookups:
         return 0
 
     def _comes_in(self, pending: _Pending, now: float) -> float:
-        """When ``pending``'s answer is likely, from now, at recent lookups' median (0:
-        none seen yet, or any time now)."""
+        """The soonest ``pending``'s answer may come, from now, at the fastest of recent
+        lookups (0: none seen yet, or any time now)."""
         took = self._took.copy()  # one step under the GIL: the lookup thread appends
-        return statistics.median(took) - (now - pending.sent) if took else 0.0
+        return min(took) - (now - pending.sent) if took else 0.0
+
+    def took_ms(self) -> float | None:
+        """The median time from send to answer of recent lookups (``None``: none yet)."""
+        took = self._took.copy()
+        return 1e3 * statistics.median(took) if took else None
 
     def new_step(self, tokens: int) -> None:
         """The scheduler built a step of ``tokens``: the next one may wait again."""
@@ -245,7 +251,9 @@ class Lookups:
         often requests waited a step for their lookup, or went without it."""
         now, counts = self._clock(), str(self.counts)
         if now - self._reported[0] >= REPORT_S and counts != self._reported[1]:
-            log.info("kvstore lookups: %s", counts)
+            took = self.took_ms()
+            recent = f"; recent lookups took {took:.1f} ms (median)" if took is not None else ""
+            log.info("kvstore lookups: %s%s", counts, recent)
             self._reported = (now, counts)
 
     def forget(self, req_id: str) -> None:
