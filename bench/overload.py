@@ -1,0 +1,171 @@
+"""The predictor against LRU and the rule baselines where the engine cannot keep up.
+
+The predictor is on in every daemon, so its worst regime is every operator's.
+This replays (``kvstore replay``: the real store and policies on a simulated
+clock) scenarios the predictor was not tuned on and prints each policy's
+GPU-seconds against LRU's and the best baseline's in the same scenario::
+
+    agents-1gpu   bench/agent_trace.py's coding agents (Poisson sessions, a 12K-token
+                  system prompt shared by all, contexts to 200K tokens), open loop,
+                  on 1 GPU with 40 GB of HBM for KV, 200 GB DRAM, 2 TB SSD: the
+                  admission queue grows for hours
+    agents-4gpu   the same trace on 4 GPUs with 4x the memory: it keeps up
+    conversations kv-cache-tester conversations (--traces) starting at Poisson
+                  times (--rate an hour), open loop, on 1 GPU: more than it serves
+
+The figure is the ratio: a policy that costs more than LRU (above 1.00x) in any
+scenario is what issue-free operation cannot afford. Prefetches issued, used and
+wasted come with each row. ``--quick`` is a few minutes of agents on one GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import agent_trace
+from common import bench_arguments, emit_json, format_table, log
+
+BASELINES = ("lru", "ttl:60", "tool-aware", "prev-gap", "lognormal-tools")
+"""Every policy but the predictor and the oracle; LRU first, the reference."""
+POLICIES = (*BASELINES, "predictor", "oracle")
+QUICK_POLICIES = ("lru", "tool-aware", "predictor")
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    source: str  # "agents" (generated) or "conversations"
+    flags: tuple[str, ...]  # capacities, GPUs, arrivals
+
+
+SCENARIOS = (
+    Scenario(
+        "agents-1gpu",
+        "agents",
+        ("--gpus", "1", "--hbm-gb", "40", "--dram-gb", "200", "--ssd-gb", "2000"),
+    ),
+    Scenario(
+        "agents-4gpu",
+        "agents",
+        ("--gpus", "4", "--hbm-gb", "160", "--dram-gb", "800", "--ssd-gb", "8000"),
+    ),
+    Scenario(
+        "conversations",
+        "conversations",
+        ("--gpus", "1", "--hbm-gb", "100", "--dram-gb", "200", "--ssd-gb", "4000"),
+    ),
+)
+
+
+def replay(paths: Sequence[str], flags: Sequence[str], policies: Sequence[str]) -> dict[str, Any]:
+    """``kvstore replay`` as a user runs it; its JSON report."""
+    command = [
+        sys.executable, "-m", "kvstore", "replay", *paths, *flags,
+        "--policy", ",".join(policies), "--json", "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def rows(report: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per policy: GPU-seconds, against LRU and the best baseline, prefetch counts."""
+    policies = report["policies"]
+    lru = policies["lru"]["gpu_seconds"]
+    baselines = [name for name in policies if name in BASELINES]
+    best = min(baselines, key=lambda name: policies[name]["gpu_seconds"])
+    figures = {}
+    for name, result in policies.items():
+        gpu_s = result["gpu_seconds"]
+        prefetches = result.get("prefetches") or {}
+        figures[name] = {
+            "gpu_seconds": gpu_s,
+            "vs_lru": gpu_s / lru,
+            "vs_best_baseline": gpu_s / policies[best]["gpu_seconds"],
+            "best_baseline": best,
+            "ttft_p50": result["ttft_p50"],
+            "load_seconds": result["load_seconds"],
+            "prefetches_issued": prefetches.get("issued", 0),
+            "prefetches_wasted": prefetches.get("wasted", 0),
+        }
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = bench_arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", help=f"comma-separated (default {','.join(POLICIES)})")
+    parser.add_argument("--scenarios", help="comma-separated (default: all, quick agents-1gpu)")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        help="kv-cache-tester conversations (a folder; without it the "
+        "conversations scenario is skipped)",
+    )
+    parser.add_argument("--rate", type=float, default=120.0, help="conversations an hour")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    policies = (
+        args.policy.split(",") if args.policy else list(QUICK_POLICIES if args.quick else POLICIES)
+    )
+    if "lru" not in policies:
+        parser.error("--policy must include lru, the reference")
+    wanted = (
+        args.scenarios.split(",")
+        if args.scenarios
+        else (["agents-1gpu"] if args.quick else [s.name for s in SCENARIOS])
+    )
+    shape = agent_trace.Shape(hours=0.25) if args.quick else agent_trace.Shape()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvs-overload-") as root:
+        trace = Path(root) / "agents.jsonl"
+        agent_trace.write(agent_trace.generate(shape, args.seed), trace)
+        for scenario in SCENARIOS:
+            if scenario.name not in wanted:
+                continue
+            if scenario.source == "conversations":
+                if args.traces is None:
+                    log(f"{scenario.name}: skipped, no --traces")
+                    continue
+                paths, flags = [str(args.traces)], ["--rate", str(args.rate)]
+            else:
+                paths, flags = [str(trace)], []
+            log(f"{scenario.name}: {', '.join(policies)}")
+            flags += [*scenario.flags, "--seed", str(args.seed)]
+            results[scenario.name] = rows(replay(paths, flags, policies))
+    report = {"policies": policies, "scenarios": results}
+    if args.json:
+        emit_json(report)
+    else:
+        print_tables(results)
+    return 0
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    headers = ["policy", "GPU-s", "x LRU", "x best baseline", "TTFT p50 s", "prefetches", "wasted"]
+    for name, figures in results.items():
+        print(f"\n{name}")
+        table = [
+            [
+                policy,
+                f"{row['gpu_seconds']:,.0f}",
+                f"{row['vs_lru']:.3f}",
+                f"{row['vs_best_baseline']:.3f} ({row['best_baseline']})",
+                f"{row['ttft_p50']:.3g}",
+                row["prefetches_issued"],
+                row["prefetches_wasted"],
+            ]
+            for policy, row in figures.items()
+        ]
+        print(format_table(headers, table))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
