@@ -337,14 +337,17 @@ class Placement:
         return self.make_room(kind, 1, protect)
 
     def make_room(self, kind: TierKind, nbytes: int, protect: frozenset[ChunkKey]) -> bool:
-        """Evict the policy's first unpinned, unprotected victims from ``kind`` that are
-        leaves there (``BlockIndex.leaves``: a prefix outlives its extensions) until they
+        """Evict the policy's first unpinned, unprotected victims from ``kind`` (only
+        leaves there if the policy asks: ``BlockIndex.leaves``) until they
         held at least ``nbytes`` (as the index counts them; an arena's page rounding may
         leave the caller a little short); whether any victim left (none does when every
         write-back failed)."""
         victims: list[tuple[ChunkKey, BlockMeta]] = []
         freed = 0
-        for key in self._index.leaves(kind, self._policy.victims(kind)):
+        order = self._policy.victims(kind)
+        if self._policy.leaves_only:
+            order = self._index.leaves(kind, order)
+        for key in order:
             meta = self._index.get(key)
             if meta is None or kind not in meta.sizes:
                 self._policy.on_remove(kind, key)

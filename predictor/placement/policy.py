@@ -56,7 +56,7 @@ touched it. ``victims(tier)`` ranks sessions by the chance that they are back
 while a block kept in that tier would stay there (the tier's measured mean
 residence before eviction, at most its horizon), ties by the chance that they
 come back at all, then least recently touched first; a session's blocks go
-tail first. The store takes only leaves of that order (``BlockIndex.leaves``), so a
+tail first. The store takes only leaves of that order (``leaves_only``), so a
 system prompt shared by every session outlives the chains that extend it, whoever
 touched it last. Blocks of running sessions rank last; blocks no session touched rank
 first, LRU. Who owns what, where, in which order, and how long
@@ -127,6 +127,8 @@ _RESUMED = Why(Reason.RESUMED)
 
 class PlacementPolicy:
     """Idle placement and eviction by forecast return; see the module docstring."""
+
+    leaves_only = True
 
     def __init__(
         self,

@@ -150,8 +150,14 @@ def test_a_full_tier_writes_its_least_recent_block_back_to_the_next_tier(build: 
     assert stack.placement.tiers[DRAM].used_bytes() == 3 * kv.ARENA_SLOT
 
 
-def test_eviction_takes_leaves_only_whatever_the_policys_order(build: Build) -> None:
-    stack = build(dram=3, ssd=1 << 20)
+class LeavesOnly(LRUPolicy):
+    """LRU order, of which the store takes leaves only."""
+
+    leaves_only = True
+
+
+def test_a_policy_that_asks_for_leaves_gets_only_leaves_whatever_its_order(build: Build) -> None:
+    stack = build(dram=3, ssd=1 << 20, policy=LeavesOnly())
     stack.admit(DRAM, A[:2])
     stack.admit(DRAM, A[2:3])  # a later call extends the chain
     assert list(stack.policy.victims(DRAM)) == [A[1], A[0], A[2]]  # least recent first
