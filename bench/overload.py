@@ -14,7 +14,7 @@ GPU-seconds against LRU's and the best baseline's in the same scenario::
                   times (--rate an hour), open loop, on 1 GPU: more than it serves
 
 The figure is the ratio: a policy that costs more than LRU (above 1.00x) in any
-scenario is what issue-free operation cannot afford. Prefetches issued, used and
+scenario is what a default policy cannot afford. Prefetches issued and
 wasted come with each row. ``--quick`` is a few minutes of agents on one GPU.
 """
 
