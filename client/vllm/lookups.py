@@ -249,8 +249,11 @@ class Lookups:
     def _report(self) -> None:
         """Log the counts every ``REPORT_S`` while they change: an operator sees how
         often requests waited a step for their lookup, or went without it."""
-        now, counts = self._clock(), str(self.counts)
-        if now - self._reported[0] >= REPORT_S and counts != self._reported[1]:
+        now = self._clock()
+        if now - self._reported[0] < REPORT_S:  # every step comes here: format nothing
+            return
+        counts = str(self.counts)
+        if counts != self._reported[1]:
             took = self.took_ms()
             recent = f"; recent lookups took {took:.1f} ms (median)" if took is not None else ""
             log.info("kvstore lookups: %s%s", counts, recent)

@@ -2,17 +2,18 @@
 
 The index is the store's memory of placement, and its prefix tree: a chunk key
 names its whole prefix, so a block's parent never changes, and the index counts,
-per tier, the children each block has there. Eviction takes leaves only
-(``leaves``): a cached prefix stays a prefix, and a system prompt every session
-shares outlives the chains that extend it, whoever touched it last.
+per tier, the children each block has there. For a policy that asks
+(``EvictionPolicy.leaves_only``) eviction takes leaves only (``leaves``): a system
+prompt every session shares outlives the chains that extend it, whoever touched
+it last.
 
 The index is authoritative for the process-local tiers (HBM, DRAM, LMDB, whose
 contents are rebuilt from a scan after a restart) and advisory for shared tiers
 (Redis), which other processes write to and the server may evict from: a key the
-index does not know may still be found there. ``RecentMisses`` remembers, for a moment, the keys a
-shared tier said it lacks, so a lookup that misses again and again (an engine
-asking for a prefix nobody has cached) costs that tier one round trip, not one
-per lookup.
+index does not know may still be found there. ``RecentMisses`` remembers, for a
+moment, the keys a shared tier said it lacks, so a lookup that misses again and
+again (an engine asking for a prefix nobody has cached) costs that tier one round
+trip, not one per lookup.
 
 The store's lock guards every call that changes it. One read needs no lock:
 ``fastest``, a lookup's only question of the index, reads one dictionary entry

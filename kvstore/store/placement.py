@@ -338,9 +338,9 @@ class Placement:
 
     def make_room(self, kind: TierKind, nbytes: int, protect: frozenset[ChunkKey]) -> bool:
         """Evict the policy's first unpinned, unprotected victims from ``kind`` (only
-        leaves there if the policy asks: ``BlockIndex.leaves``) until they
-        held at least ``nbytes`` (as the index counts them; an arena's page rounding may
-        leave the caller a little short); whether any victim left (none does when every
+        leaves there if the policy asks: ``BlockIndex.leaves``) until they held at
+        least ``nbytes`` (as the index counts them; an arena's page rounding may leave
+        the caller a little short); whether any victim left (none does when every
         write-back failed)."""
         victims: list[tuple[ChunkKey, BlockMeta]] = []
         freed = 0
