@@ -8,6 +8,8 @@ Each run starts everything fresh, so no run finds another's cache::
     kvstore-async  the same with every load asynchronous (async_load_mib 0)
     kvstore-fixed-wait  the same with the scheduler's wait for lookups fixed at
                 lookup_wait_ms (lookup_wait_share 0), not a share of a step
+    kvstore-ask the same with no memory of held blocks (held_blocks 0): every
+                ask waits for its request's lookup
     lmcache-shm lmcache server (.venv-lmcache) on loopback TCP  <-  vLLM
     lmcache     (.venv-lmcache) with LMCacheMPConnector, lmcache_driven (the
                 worker's KV cache moved to shared memory) or engine_driven
@@ -120,6 +122,7 @@ CONFIGURATIONS = {
         Configuration(
             "kvstore-fixed-wait", Connector.KVSTORE, connector_config={"lookup_wait_share": 0}
         ),
+        Configuration("kvstore-ask", Connector.KVSTORE, connector_config={"held_blocks": 0}),
         Configuration("lmcache-shm", Connector.LMCACHE_SHM),
         Configuration("lmcache", Connector.LMCACHE),
         Configuration("vllm-big", Connector.NONE, big_cache=True),

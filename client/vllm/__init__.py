@@ -5,6 +5,7 @@
     connector.py   KVStoreConnector: the class vLLM builds, one per role (needs vLLM)
     scheduler.py   the scheduler side: lookups and load/save plans
       lookups.py     lookups sent on arrival, on their own thread, within a deadline
+      held_blocks.py the blocks it remembers the store holds, answered from at once
       sessions.py    session events for the daemon's predictor
     worker.py      the worker side: loads before the forward, saves after it
       loads.py       large loads off the step, on a thread of their own

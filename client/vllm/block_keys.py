@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.keys import ChunkKey
@@ -30,22 +30,46 @@ SALTS_KEPT = 64
 """Salts whose keys are remembered; the one asked for least recently goes first."""
 
 
+V = TypeVar("V")
+
+
+class PerSalt(Generic[V]):
+    """A table by vLLM block hash per ``cache_salt``, at most ``keep`` entries each, the
+    newest kept, and ``SALTS_KEPT`` tables, the one asked for least recently dropped
+    first. Not thread safe: its owner holds a lock."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._tables: dict[str | None, dict[bytes, V]] = {}
+
+    def table(self, salt: str | None) -> dict[bytes, V]:
+        """``salt``'s table, now the most recently asked for."""
+        table = self._tables.pop(salt, None) or {}
+        self._tables[salt] = table
+        if len(self._tables) > SALTS_KEPT:
+            del self._tables[next(iter(self._tables))]
+        return table
+
+    def trim(self, salt: str | None, table: dict[bytes, V]) -> None:
+        """Keep the newest half of ``salt``'s ``table`` once it holds more than ``keep``:
+        amortised O(1) an entry."""
+        if len(table) > self._keep and self._tables.get(salt) is table:
+            newest = itertools.islice(table.items(), len(table) - self._keep // 2, None)
+            self._tables[salt] = dict(newest)
+
+
 class BlockKeys:
     """Keys of vLLM block hashes in ``pages``' namespaces; see the module docstring."""
 
     def __init__(self, pages: PageFormat, keep: int = KEYS_KEPT) -> None:
         self._pages = pages
-        self._keep = keep
         self._lock = threading.Lock()
-        self._known: dict[str | None, dict[bytes, ChunkKey]] = {}  # salt -> hash -> key
+        self._known: PerSalt[ChunkKey] = PerSalt(keep)
 
     def keys(self, salt: str | None, hashes: Sequence[bytes]) -> list[ChunkKey]:
         """The key of each of ``hashes`` under ``salt``, in order."""
         with self._lock:
-            known = self._known.pop(salt, None) or {}
-            self._known[salt] = known  # now the most recently asked for
-            if len(self._known) > SALTS_KEPT:
-                del self._known[next(iter(self._known))]
+            known = self._known.table(salt)
             found = [known.get(block_hash) for block_hash in hashes]
         missing = [block_hash for block_hash, key in zip(hashes, found, strict=True) if key is None]
         if not missing:
@@ -53,9 +77,7 @@ class BlockKeys:
         derived = dict(zip(missing, self._pages.keys(salt, missing), strict=True))
         with self._lock:
             known.update(derived)
-            if len(known) > self._keep:  # keep the newest half: amortised O(1) a key
-                newest = itertools.islice(known.items(), len(known) - self._keep // 2, None)
-                self._known[salt] = dict(newest)
+            self._known.trim(salt, known)
         return [
             derived[block_hash] if key is None else key
             for block_hash, key in zip(hashes, found, strict=True)

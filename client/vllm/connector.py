@@ -16,7 +16,9 @@ that share nothing but the metadata vLLM passes and the kvstore daemon:
   (``client.vllm.lookups``); ``get_num_new_matched_tokens`` answers from it,
   waiting at most what is left of the step's wait (``lookup_wait_ms``, or
   ``lookup_wait_share`` of a step's time if longer; ``None``, "ask again",
-  while it is on its way; 0 once ``lookup_deadline_ms`` passed);
+  while it is on its way; 0 once ``lookup_deadline_ms`` passed), unless it
+  remembers the blocks held (``client.vllm.held_blocks``: those it planned to
+  save, those lookups found), which answer at once;
   a load of ``async_load_mib`` or more is asynchronous (the request waits in
   ``WAITING_FOR_REMOTE_KVS`` while others run); ``update_state_after_alloc``
   turns the hit into a load plan on the blocks vLLM allocated;
@@ -68,6 +70,8 @@ time, if longer than ``lookup_wait_ms``),
 ``lookup_deadline_ms`` (default 100: a lookup is waited for this long at least, or
 ``lookup_deadline_share`` of its prompt's prefill time, default 0.1, if longer),
 ``async_load_mib`` (the smallest load made off the step, default 256),
+``held_blocks`` (block hashes the scheduler remembers the store holds, answered
+from while a lookup is on its way, per salt; default 131,072, 0 for none),
 ``save_pool_mib`` (host memory for saves on their way, default 256),
 ``session_events`` (default true), ``tool_call_end_token_ids`` (default none: no
 request reports a running tool).
@@ -107,6 +111,8 @@ import torch
 
 from kvstore.client.address import engine_url
 from kvstore.client.connect import KVClient, connect
+from kvstore.client.vllm.block_keys import KEYS_KEPT
+from kvstore.client.vllm.held_blocks import HeldBlocks
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
 from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S, WAIT_SHARE
 from kvstore.client.vllm.pages import BlockTransfer, PageFormat, lookup_group, page_formats
@@ -217,6 +223,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             hash_block_size = cache_config.hash_block_size or cache_config.block_size
             events = _session_events(transfer_config, self._store, groups[lookup_group(groups)])
             async_mib = _count(transfer_config, "async_load_mib", ASYNC_LOAD_BYTES >> 20, least=0)
+            held_blocks = _count(transfer_config, "held_blocks", KEYS_KEPT, least=0)
             self._scheduler = SchedulerSide(
                 self._store,
                 groups,
@@ -227,6 +234,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 lookup_deadline_s=_milliseconds(transfer_config, "lookup_deadline_ms", DEADLINE_S),
                 lookup_deadline_share=_fraction(transfer_config, "lookup_deadline_share", SHARE),
                 async_load_bytes=async_mib << 20,
+                held=HeldBlocks(held_blocks) if held_blocks else None,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

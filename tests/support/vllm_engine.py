@@ -156,6 +156,17 @@ def stats_once_stored(daemon: Daemon, chunks_stored: int) -> StoreStats:
     return now
 
 
+def generate_stored(
+    llm: Any, daemon: Daemon, model_dir: Path, tokens: list[int]
+) -> tuple[list[int], Namespace, list[ChunkKey]]:
+    """Generate ``tokens`` and wait until the daemon has stored its full blocks: the
+    greedy output, and the namespace and keys the daemon holds those blocks under."""
+    start = stats(daemon)
+    output, _ = generate(llm, tokens)
+    stats_once_stored(daemon, start.chunks_stored + FULL_BLOCKS)
+    return (output, *vllm_keys(model_dir, tokens))
+
+
 def vllm_keys(model_dir: Path, tokens: list[int]) -> tuple[Namespace, list[ChunkKey]]:
     """The daemon's keys of ``tokens``' full blocks, from vLLM's block hashing run here,
     outside the engine: SHA-256 chained over ``(parent, block tokens, extra keys)``."""

@@ -24,6 +24,7 @@ from support.vllm_engine import (  # noqa: E402
     FULL_BLOCKS,
     damage_stored_block,
     generate,
+    generate_stored,
     prompt,
     reload,
     save_model,
@@ -31,7 +32,6 @@ from support.vllm_engine import (  # noqa: E402
     stats,
     stats_once_stored,
     stop_llm,
-    vllm_keys,
 )
 
 from kvstore.tiers.kinds import TierKind  # noqa: E402
@@ -92,10 +92,7 @@ def test_a_failed_asynchronous_load_is_recomputed_never_used(
     llm: Any, store_daemon: Daemon, model_dir: Path
 ) -> None:
     tokens = prompt(12)
-    start = stats(store_daemon)
-    expected, _ = generate(llm, tokens)
-    stats_once_stored(store_daemon, start.chunks_stored + FULL_BLOCKS)
-    namespace, keys = vllm_keys(model_dir, tokens)
+    expected, namespace, keys = generate_stored(llm, store_daemon, model_dir, tokens)
     damage_stored_block(store_daemon, namespace, keys[1])
     before = stats(store_daemon)
 

@@ -28,6 +28,7 @@ from support.vllm_engine import (  # noqa: E402
     FULL_BLOCKS,
     damage_stored_block,
     generate,
+    generate_stored,
     prompt,
     reload,
     save_model,
@@ -114,10 +115,7 @@ def test_a_corrupt_block_is_recomputed_never_used(
     llm: Any, store_daemon: Daemon, model_dir: Path
 ) -> None:
     tokens = prompt(2)
-    start = stats(store_daemon)
-    expected, _ = generate(llm, tokens)
-    stats_once_stored(store_daemon, start.chunks_stored + FULL_BLOCKS)
-    namespace, keys = vllm_keys(model_dir, tokens)
+    expected, namespace, keys = generate_stored(llm, store_daemon, model_dir, tokens)
     with kvstore.connect(store_daemon.url) as client:
         assert client.lookup(namespace, keys).num_chunks == FULL_BLOCKS  # keyed as vLLM hashes
     damage_stored_block(store_daemon, namespace, keys[1])
@@ -137,6 +135,27 @@ def test_a_corrupt_block_is_recomputed_never_used(
     assert again == expected
     assert cached == FULL_BLOCKS * BLOCK
     assert stats(store_daemon).get_misses == after.get_misses
+
+
+def test_a_block_the_scheduler_remembers_but_the_store_lost_is_recomputed(
+    llm: Any, store_daemon: Daemon, model_dir: Path
+) -> None:
+    tokens = prompt(9)
+    expected, namespace, keys = generate_stored(llm, store_daemon, model_dir, tokens)
+    # The scheduler planned these saves, so it answers the same prompt from memory
+    # while its lookup is on its way (client.vllm.held_blocks); the store drops all
+    # but the first block meanwhile.
+    with kvstore.connect(store_daemon.url) as client:
+        assert client.delete(namespace, keys[1:]) == FULL_BLOCKS - 1
+    before = stats(store_daemon)
+
+    assert llm.reset_prefix_cache()
+    got, _ = generate(llm, tokens)
+    after = stats_once_stored(store_daemon, before.chunks_stored + FULL_BLOCKS - 1)
+
+    assert got == expected  # the lost blocks failed to load and were recomputed, or the
+    # lookup answered first and they were never asked for: never a wrong token
+    assert after.chunks_stored - before.chunks_stored == FULL_BLOCKS - 1  # saved again
 
 
 def test_an_agents_calls_reach_the_daemons_predictor_as_one_session(

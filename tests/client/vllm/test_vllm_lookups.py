@@ -19,6 +19,7 @@ from support.daemon import Daemon
 import kvstore
 from kvstore.client.vllm import block_keys
 from kvstore.client.vllm.block_keys import BlockKeys
+from kvstore.client.vllm.held_blocks import HeldBlocks
 from kvstore.client.vllm.lookups import Lookups, StepPace
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.client.vllm.scheduler import SchedulerSide
@@ -250,6 +251,49 @@ def test_block_keys_keep_the_newest_when_full(monkeypatch: pytest.MonkeyPatch) -
         assert keys.keys(salt, hashes) == PAGES.keys(salt, hashes)
 
 
+def test_held_blocks_remember_saves_and_forget_what_a_lookup_did_not_find() -> None:
+    held = HeldBlocks()
+    chain = request("chain", 6).block_hashes
+    assert held.run(None, chain) == 0
+    held.saved(None, chain[:4])
+    assert held.run(None, chain) == 4
+    assert held.run("tenant", chain) == 0  # another salt is another chain
+    mark = held.mark()
+    held.saved(None, chain[4:5])  # planned after the lookup below was sent
+    # The lookup found 2 of the chain: blocks 2 and 3, remembered before it was sent,
+    # are forgotten; block 4, remembered since, may not have landed when it answered.
+    held.found(None, chain, 2, mark)
+    assert held.run(None, chain) == 2
+    assert held.run(None, chain[4:]) == 1
+    held.found(None, chain, 6, held.mark())  # a later lookup found all of it
+    assert held.run(None, chain) == 6
+
+
+def test_held_blocks_keep_the_newest_when_full() -> None:
+    held = HeldBlocks(keep=16)  # the third chain fills it: the newest 8 blocks stay
+    chains = [request(name, 6).block_hashes for name in ("a", "b", "c")]
+    for chain in chains:
+        held.saved(None, chain)
+    assert held.run(None, chains[2]) == 6
+    assert held.run(None, chains[0]) == 0
+
+
+def same_chain(asked: SimpleNamespace, request_id: str) -> SimpleNamespace:
+    """Another request with ``asked``'s tokens (an agent's call sent again)."""
+    return SimpleNamespace(**{**vars(asked), "request_id": request_id})
+
+
+def scheduled(asked: SimpleNamespace, block_ids: list[int]) -> SimpleNamespace:
+    """A ``SchedulerOutput`` of a step that schedules all of new request ``asked``."""
+    return SimpleNamespace(
+        num_scheduled_tokens={asked.request_id: asked.num_tokens},
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=asked.request_id, block_ids=[block_ids], num_computed_tokens=0)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
+    )
+
+
 STALL_TOML = """\
 data_dir = "{data_dir}"
 
@@ -312,3 +356,52 @@ def no_work() -> SimpleNamespace:
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
     )
+
+
+def test_a_returning_call_is_answered_from_the_saves_its_scheduler_planned(
+    daemon_factory: Any,
+) -> None:
+    daemon: Daemon = daemon_factory(STALL_TOML)
+    size = PAGES.block_size
+    with kvstore.connect(daemon.url, timeout_s=2.0) as store:
+        held = HeldBlocks()
+        side = SchedulerSide(
+            store, [PAGES], size, lookup_wait_s=WAIT_S, lookup_deadline_s=DEADLINE_S, held=held
+        )
+        call = request("agent", 4)
+        side.allocated(call, [[1, 2, 3, 4, 5]], 0)
+        _, saves = side.step(scheduled(call, [1, 2, 3, 4, 5]))
+        assert [save.block_ids for save in saves] == [(1, 2, 3, 4)]
+        keys = PAGES.keys(None, call.block_hashes)
+        payload = np.zeros(PAGES.page_bytes, np.uint8)
+        assert store.put(PAGES.namespace(None), keys, [payload] * 4) == 4  # the worker's
+        side.finished(call)
+        returning = request("agent", 6)  # the same 4 blocks, and 2 more
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            # Its lookup cannot be answered: the answer is the saves remembered.
+            side.arrived(returning)
+            assert side.matched_tokens(returning, 0) == (4 * size, False)
+            # Asked again (its load failed, say), it waits for its lookup.
+            assert side.matched_tokens(returning, 0) == (None, False)
+            other = same_chain(returning, "other")
+            side.arrived(other)
+            assert side.matched_tokens(other, 3 * size) == (size, False)  # beyond vLLM's hit
+            assert side.lookups.counts.recalled == 2
+            # Once the lookup on the wire is overdue the daemon may be stalled: asks wait
+            # for their own lookups.
+            time.sleep(DEADLINE_S + 0.05)
+            again = same_chain(returning, "again")
+            side.arrived(again)
+            assert side.matched_tokens(again, 0) == (None, False)
+            assert side.lookups.counts.recalled == 2
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        # The store loses blocks 2 and 3: the next lookup of the chain corrects the memory.
+        assert store.delete(PAGES.namespace(None), keys[2:]) == 2
+        side.arrived(same_chain(returning, "lost"))
+        deadline = time.monotonic() + 10.0
+        while held.run(None, returning.block_hashes) != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        side.close()
