@@ -21,9 +21,13 @@ the steps a request waited for its lookup, and the daemon's round trip for
 each lookup, measured at the client ("lookup ms"). Four cases, interleaved
 session by session:
 
-    ahead           the connector as shipped: lookups sent on arrival, a step waits
-                    at most lookup_wait_ms (2) for them; session events on
-    ahead, no events  the same with session_events off: what the events cost
+    ahead           the connector as shipped: lookups sent on arrival, an ask
+                    answered from the blocks the scheduler remembers the store
+                    holds while its lookup is on its way (held_blocks), else a
+                    step waits at most lookup_wait_ms (2) for it; session events on
+    ahead, no memory  the same with held_blocks 0: every ask waits for its lookup
+    ahead, no events  the connector as shipped with session_events off: what the
+                    events cost
     blocking        the scheduler waits for each lookup to be answered (the
                     connector before lookups ran ahead): the peer design
     blocking, no events
@@ -66,6 +70,7 @@ from common import (
 
 import kvstore
 from kvstore.client.connect import KVClient
+from kvstore.client.vllm.held_blocks import HeldBlocks
 from kvstore.client.vllm.lookups import DEADLINE_S, WAIT_S
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.client.vllm.scheduler import SchedulerSide
@@ -95,11 +100,13 @@ class Case:
     name: str
     events: bool
     blocking: bool
+    held: bool = False  # answers from the blocks the scheduler remembers (HeldBlocks)
 
 
 CASES = (
-    Case("ahead", events=True, blocking=False),
-    Case("ahead, no events", events=False, blocking=False),
+    Case("ahead", events=True, blocking=False, held=True),
+    Case("ahead, no memory", events=True, blocking=False),
+    Case("ahead, no events", events=False, blocking=False, held=True),
     Case("blocking", events=True, blocking=True),
     Case("blocking, no events", events=False, blocking=True),
 )
@@ -253,6 +260,7 @@ def sides(store: KVClient, cases: Sequence[Case]) -> Iterator[Running]:
             events,
             lookup_wait_s=wait,
             lookup_deadline_s=deadline,
+            held=HeldBlocks() if case.held else None,
         )
         yield Running(case, side, timed)
 

@@ -53,9 +53,14 @@ class PerSalt(Generic[V]):
     def trim(self, salt: str | None, table: dict[bytes, V]) -> None:
         """Keep the newest half of ``salt``'s ``table`` once it holds more than ``keep``:
         amortised O(1) an entry."""
-        if len(table) > self._keep and self._tables.get(salt) is table:
+        if len(table) > self._keep:
             newest = itertools.islice(table.items(), len(table) - self._keep // 2, None)
-            self._tables[salt] = dict(newest)
+            self.replace(salt, dict(newest))
+
+    def replace(self, salt: str | None, table: dict[bytes, V]) -> None:
+        """``table`` is now ``salt``'s, unless ``salt`` was dropped meanwhile."""
+        if salt in self._tables:
+            self._tables[salt] = table
 
 
 class BlockKeys:
