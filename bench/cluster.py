@@ -118,7 +118,7 @@ from common import (  # noqa: E402
     verdict,
 )
 
-from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.kinds import TierKind  # noqa: E402
 from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 THROUGHPUT_GOAL = 0.8  # the issue's: aggregate store throughput over raw redis-py

@@ -31,8 +31,8 @@ from faults.campaign import DaemonSpec
 
 from kvstore.client import StoreClient
 from kvstore.keys import Namespace
+from kvstore.kinds import TierKind
 from kvstore.local.redis_cluster import RedisCluster
-from kvstore.tiers.kinds import TierKind
 
 SIZE = CHUNK_2MIB
 REDIS = TierKind.REDIS.label

@@ -74,9 +74,9 @@ import kvstore  # noqa: E402
 from kvstore.client.embedded import EmbeddedClient  # noqa: E402
 from kvstore.client.hf import HFKVStore, RequestReport  # noqa: E402
 from kvstore.client.hf.loading import load_cache  # noqa: E402
+from kvstore.kinds import TierKind  # noqa: E402
 from kvstore.local.redis_server import RedisServer  # noqa: E402
 from kvstore.store.config import StoreConfig  # noqa: E402
-from kvstore.tiers.kinds import TierKind  # noqa: E402
 from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 GiB = 1 << 30

@@ -78,10 +78,10 @@ from common import (  # noqa: E402
 
 from kvstore.block import HEADER_BYTES  # noqa: E402
 from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys  # noqa: E402
+from kvstore.kinds import TierKind  # noqa: E402
 from kvstore.local.redis_server import RedisServer  # noqa: E402
 from kvstore.store.config import StoreConfig  # noqa: E402
 from kvstore.store.tiered_store import TieredStore  # noqa: E402
-from kvstore.tiers.kinds import TierKind  # noqa: E402
 from kvstore.tiers.registry import TierConfig  # noqa: E402
 
 SIZES = (

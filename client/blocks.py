@@ -97,8 +97,8 @@ from kvstore.client.shm import SharedArena
 from kvstore.codec import decode_payload
 from kvstore.errors import CorruptBlock, LayoutMismatch
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import ChunkPages, KVChunk
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.frames import META_LENGTH, FrameDecoder, FrameLimits, meta_length, parse_meta
 

@@ -31,9 +31,9 @@ from kvstore.client.device import HBMArena, copy_device
 from kvstore.client.failures import answer_field, unavailable
 from kvstore.client.shm import SharedArena
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.store.out_buffers import OutBuffers
 from kvstore.tiers.arena_handle import ArenaHandle
-from kvstore.tiers.kinds import TierKind
 
 log = logging.getLogger("kvstore.client")
 

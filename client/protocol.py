@@ -74,11 +74,11 @@ from kvstore.errors import (
     UnknownNamespace,
 )
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, OutData, chunk_bytes
 from kvstore.store.out_buffers import OutBuffers, host_arrays
 from kvstore.store.stats import StoreStats
 from kvstore.throttled_log import ThrottledLog
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import (
     EVENT_CONTENT_TYPE,
     MAX_EVENT_KEYS,

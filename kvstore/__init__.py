@@ -13,12 +13,12 @@ Embedded use::
 The package, one folder per audience, dependencies running one way (a test,
 ``tests/layout/test_imports.py``, keeps it so)::
 
-    kvstore/*.py        the format: errors.py, keys.py, block.py, codec.py, config.py (the
-                        settings loader); and what every layer shares: breaker.py (skip a
-                        failed backend until a probe finds it back), throttled_log.py (a
-                        line at most once per interval), tensors.py (is it a tensor,
-                        without torch)
-    kvstore/tiers/      the tier kinds, one protocol, one registry, one module per backend
+    kvstore/*.py        the format: errors.py, keys.py, kinds.py (the tier kinds and their
+                        traits), block.py, codec.py, config.py (the settings loader);
+                        and what every layer shares: breaker.py (skip a failed backend
+                        until a probe finds it back), throttled_log.py (a line at most
+                        once per interval), tensors.py (is it a tensor, without torch)
+    kvstore/tiers/      one protocol, one registry, one module per backend
     kvstore/local/      what kvstore starts for itself: private redis-servers and a Redis
                         Cluster (the replay's, the benchmarks', the tests'), child processes
     kvstore/store/      the embedded engine: StoreCore and its faces, placement, eviction
@@ -54,12 +54,12 @@ if TYPE_CHECKING:
         UnknownNamespace,
     )
     from kvstore.keys import ChunkKey, HashAlgo, KVLayout, Namespace, chunk_keys, external_keys
+    from kvstore.kinds import TierKind
     from kvstore.store.async_store import AsyncTieredStore
     from kvstore.store.chunk import CachedPrefix, KVChunk
     from kvstore.store.config import StoreConfig
     from kvstore.store.eviction import EvictionPolicy, LRUPolicy
     from kvstore.store.tiered_store import TieredStore
-    from kvstore.tiers.kinds import TierKind
     from kvstore.tiers.registry import TierConfig
 
 # Public name -> the module that defines it.
@@ -82,7 +82,7 @@ _PUBLIC: dict[str, str] = {
     "TierConfig": "kvstore.tiers.registry",
     "TierError": "kvstore.errors",
     "TierFull": "kvstore.errors",
-    "TierKind": "kvstore.tiers.kinds",
+    "TierKind": "kvstore.kinds",
     "TierUnavailable": "kvstore.errors",
     "TieredStore": "kvstore.store.tiered_store",
     "UnknownNamespace": "kvstore.errors",

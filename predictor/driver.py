@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.predictor.learning.online import OnlineLearner, ReturnForecast
 from kvstore.predictor.learning.sessions import SessionState, SessionTracker
 from kvstore.predictor.placement.policy import Forecast, SessionPolicy
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted
 
 

@@ -2,7 +2,6 @@
 
 ::
 
-    kinds.py        TierKind and the traits table every layer reads: the one list to extend
     registry.py     TierConfig, and the explicit table that opens a tier of each kind
     base.py         the Tier protocol every backend implements, and its contract
     extents.py      the page-aligned extent allocator of the memory arenas
@@ -20,7 +19,9 @@
     redis_routing.py how one batch reaches each master of a Redis Cluster
 
 A tier neither chooses what to evict nor knows about prefixes: that is the
-store's (``kvstore.store``). May import: the format (``kvstore.errors``,
-``keys``, ``block``, ``config``) and nothing above it. The private redis-servers the
+store's (``kvstore.store``). The kinds themselves (``TierKind`` and the traits
+table) are the format's, ``kvstore.kinds``: every layer names a kind, and the
+daemon reaches no tier. May import: the format (``kvstore.errors``, ``keys``,
+``kinds``, ``block``, ``config``) and nothing above it. The private redis-servers the
 replay, the benchmarks and the tests start are ``kvstore.local``'s.
 """

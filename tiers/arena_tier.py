@@ -44,9 +44,9 @@ import numpy as np
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo
 from kvstore.tiers.extents import ExtentAllocator
-from kvstore.tiers.kinds import TierKind
 
 
 class ArenaMemory(Protocol):

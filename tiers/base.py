@@ -1,4 +1,4 @@
-"""The one protocol every tier implements (the kinds themselves: ``tiers.kinds``).
+"""The one protocol every tier implements (the kinds themselves: ``kvstore.kinds``).
 
 A tier is a dumb, batched byte store for encoded blocks (``kvstore.block``):
 it neither chooses what to evict nor knows about prefixes; that is the
@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.keys import ChunkKey
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 Buffer = bytes | bytearray | memoryview
 

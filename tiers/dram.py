@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.errors import TierUnavailable
+from kvstore.kinds import TierKind
 from kvstore.tiers import shm_segments
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.extents import PAGE_BYTES
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.prefault import Prefault
 
 _GPU_DEVICE_FILES = (Path("/dev/nvidiactl"), Path("/dev/dxg"), Path("/dev/kfd"))

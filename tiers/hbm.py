@@ -40,11 +40,11 @@ import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.kinds import TierKind
 from kvstore.tiers.arena_handle import ArenaHandle, HandleKind
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.dram import SharedMemoryArena
 from kvstore.tiers.extents import PAGE_BYTES
-from kvstore.tiers.kinds import TierKind
 
 
 class DeviceArena:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from kvstore.errors import TierUnavailable
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 logger = logging.getLogger(__name__)
 

@@ -80,9 +80,9 @@ import numpy as np
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.tiers import lmdb_directory
 from kvstore.tiers.base import BlockDestination, Buffer, StoredBlockInfo, scatter
-from kvstore.tiers.kinds import TierKind
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)

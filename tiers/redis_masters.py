@@ -14,8 +14,8 @@ import redis.cluster
 
 from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.errors import TierUnavailable
+from kvstore.kinds import TierKind
 from kvstore.tiers import redis_routing
-from kvstore.tiers.kinds import TierKind
 
 _FAN_OUT_THREADS = 16  # masters a batch is sent to at once
 

@@ -90,9 +90,9 @@ from redis.retry import Retry
 from kvstore.block import HEADER_BYTES, Block
 from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import KEY_BYTES, ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.tiers import redis_routing
 from kvstore.tiers.base import BlockDestination, Buffer, ServerMemory, StoredBlockInfo, scatter
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.redis_access import RedisAccess, host_port, split_url
 from kvstore.tiers.redis_masters import ClusterMasters
 

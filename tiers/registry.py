@@ -15,8 +15,8 @@ from typing import Any
 
 from kvstore.config import check_switch, expand_path, field_kinds, parse_size
 from kvstore.errors import ConfigError
+from kvstore.kinds import TIERS, TierKind
 from kvstore.tiers.base import Tier
-from kvstore.tiers.kinds import TIERS, TierKind
 from kvstore.tiers.redis_access import RedisAccess, split_url
 
 

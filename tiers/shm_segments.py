@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 
 from kvstore.errors import TierUnavailable
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 logger = logging.getLogger(__name__)
 

@@ -68,11 +68,11 @@ from faults.campaign import SHORT, DaemonSpec, Report, Scale
 from faults.proxy import Fault, FaultProxy
 from kvstore.client.api import KVClientAPI
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.local.processes import CLUSTER_BUS_OFFSET, HOST
 from kvstore.local.redis_cluster import RedisCluster
 from kvstore.local.redis_server import RedisServer
 from kvstore.store.chunk import KVChunk
-from kvstore.tiers.kinds import TierKind
 
 SCENARIO = "redis_faults"
 

@@ -37,9 +37,9 @@ import torch
 from faults.campaign import DaemonSpec, Report, Scale
 from kvstore import KVLayout, Namespace, connect
 from kvstore.keys import chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.config import StoreConfig
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
 
 NAME = "resources"
@@ -73,7 +73,7 @@ def _small_shm(workdir: Path) -> tuple[dict[str, object], list[str]]:
             from kvstore import KVLayout, Namespace
             from kvstore.store.config import StoreConfig
             from kvstore.store.tiered_store import TieredStore
-            from kvstore.tiers.kinds import TierKind
+            from kvstore.kinds import TierKind
             from kvstore.tiers.registry import TierConfig
             layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16",
                               chunk_tokens=16)

@@ -22,10 +22,10 @@ import functools
 
 from aiohttp import web
 
+from kvstore.kinds import TierKind
 from kvstore.server.routes import read_json
 from kvstore.server.state import PREDICTOR, STORE
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.messages import API_PREFIX, digest_from_hex
 

@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.predictor.service import PredictorService
 from kvstore.server.admin import add_admin_routes
 from kvstore.server.borrowed_body import close_borrowed
@@ -62,7 +63,6 @@ from kvstore.server.state import (
 from kvstore.server.status_page import PAGE_PATHS, add_status_page
 from kvstore.store.shared import SharedServing
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.codes import ERRORS, ErrorCode, WireError, error_body, error_code_of
 from kvstore.wire.events import MAX_SESSION_CHARS
 

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.server.connection import is_local
 from kvstore.server.get_frames import send_served
 from kvstore.server.leases import Lease, LeaseTable
@@ -32,7 +33,6 @@ from kvstore.server.put import put
 from kvstore.server.state import EVENTS, LEASES, METRICS, PREDICTOR, SERVING, STATE, STORE
 from kvstore.store.shared import ServedGet, SharedBlock, SharedServing
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire import strict_json
 from kvstore.wire.codes import ErrorCode, WireError
 from kvstore.wire.events import EVENT_CONTENT_TYPE, parse_event, parse_event_bytes

@@ -19,8 +19,8 @@ import numpy as np
 from kvstore.block import copy_into
 from kvstore.errors import LayoutMismatch
 from kvstore.keys import ChunkKey, KVLayout
+from kvstore.kinds import TierKind
 from kvstore.tensors import is_tensor
-from kvstore.tiers.kinds import TierKind
 
 if TYPE_CHECKING:
     import torch

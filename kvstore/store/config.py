@@ -29,7 +29,7 @@ from kvstore.config import (
     read_toml,
 )
 from kvstore.errors import ConfigError
-from kvstore.tiers.kinds import TIERS, TierKind
+from kvstore.kinds import TIERS, TierKind
 from kvstore.tiers.registry import TIER_ENV_KINDS, TierConfig, tier_config
 
 # Variables that belong to other tables (``kvstore.config`` draws them all).
@@ -54,7 +54,7 @@ class CostModel:
 
     Defaults model Llama-3.1-8B in bf16 (128 KiB of KV per token) on one
     H100/H200-class GPU: each tier's reload rate is its ``TierTraits``'
-    (``kvstore.tiers.kinds``), prefill ~17.5K tokens/s (a 10k-token prefix in
+    (``kvstore.kinds``), prefill ~17.5K tokens/s (a 10k-token prefix in
     572 ms on an H800). With these, break-even is ~2.3 GB/s: Redis loses.
     ``kv_bytes_per_token`` overrides the namespace layout's size (the replay's
     stand-in payloads are one byte per token). In the ``[costs]`` table a

@@ -32,6 +32,7 @@ from kvstore.breaker import BreakerConfig
 from kvstore.codec import CodecSpec
 from kvstore.errors import KVStoreError, LayoutMismatch, RequestTooLarge, UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import KVChunk
 from kvstore.store.config import StoreConfig
 from kvstore.store.eviction import EvictionPolicy, LRUPolicy
@@ -42,7 +43,6 @@ from kvstore.store.reader import BlockReader
 from kvstore.store.state import StoreState
 from kvstore.store.stats import StoreStats
 from kvstore.store.write_through import WriteThrough
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import open_tier
 
 logger = logging.getLogger(__name__)

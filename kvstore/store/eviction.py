@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from kvstore.keys import ChunkKey
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 
 class Occupancy(Protocol):

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ChunkKey
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 
 @dataclass(slots=True)

@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from kvstore.block import stored_block, verify_block
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.store.core import StoreCore
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.placement import Admission
-from kvstore.tiers.kinds import TierKind
 
 Held = list[tuple[bytes, ChunkKey]]  # (namespace digest, key) pairs
 

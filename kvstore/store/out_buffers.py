@@ -45,9 +45,9 @@ import numpy as np
 
 from kvstore.errors import LayoutMismatch
 from kvstore.keys import ChunkKey, KVLayout
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import ChunkData, ChunkPages, KVChunk, OutData
 from kvstore.tensors import is_tensor
-from kvstore.tiers.kinds import TierKind
 
 if TYPE_CHECKING:
     import torch

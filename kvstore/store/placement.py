@@ -45,6 +45,7 @@ from kvstore.block import Block, Codec, encode_block, frame_block, parse_header,
 from kvstore.codec import CodecSpec, decode_payload, encode_payload
 from kvstore.errors import CorruptBlock, TierError, TierFull
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.index import BlockIndex, BlockMeta
@@ -52,7 +53,6 @@ from kvstore.store.reservation import Filled, Reservation
 from kvstore.store.stats import StoreStats
 from kvstore.throttled_log import ThrottledLog
 from kvstore.tiers.arena_tier import ArenaTier
-from kvstore.tiers.kinds import TierKind
 
 logger = logging.getLogger(__name__)
 

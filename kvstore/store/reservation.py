@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.keys import ChunkKey
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 
 class ReservationOwner(Protocol):

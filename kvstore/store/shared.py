@@ -35,13 +35,13 @@ from kvstore.block import (
 from kvstore.codec import Codec
 from kvstore.errors import CorruptBlock, KVStoreError
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.store.config import StoreConfig
 from kvstore.store.core import StoreCore
 from kvstore.store.reservation import Filled, Reservation
 from kvstore.tiers.arena_handle import ArenaHandle, SharedDeviceTier
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.dram import DRAMTier
-from kvstore.tiers.kinds import TierKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from kvstore.keys import Namespace
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 
 @dataclass

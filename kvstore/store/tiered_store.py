@@ -37,6 +37,7 @@ from collections.abc import Iterator, Sequence
 from kvstore.block import Block
 from kvstore.errors import ConfigError, UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace, TokensOrKeys, keys_of
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import CachedPrefix, ChunkData, KVChunk, OutData, chunk_bytes
 from kvstore.store.closing import Closing
 from kvstore.store.config import StoreConfig
@@ -49,7 +50,6 @@ from kvstore.store.placement import Admission
 from kvstore.store.shared import SharedServing
 from kvstore.store.stats import NamespaceEviction, NamespaceUsage, StoreStats, TierCounters
 from kvstore.tiers.base import Tier
-from kvstore.tiers.kinds import TierKind
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from kvstore.block import Block, stored_block
 from kvstore.errors import CorruptBlock, KVStoreError, TierFull
 from kvstore.keys import ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.store.state import StoreState
-from kvstore.tiers.kinds import TierKind
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,6 @@
     baselines.py  LRU and a fixed idle timeout, with the same hooks
 
 Every policy here is also the store's ``EvictionPolicy`` (``kvstore.store.eviction``).
-May import: the format, ``kvstore.tiers.kinds``, ``kvstore.store`` and
+May import: the format, ``kvstore.kinds``, ``kvstore.store`` and
 ``kvstore.predictor.learning``.
 """

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.predictor.learning.counting import TOOL_PRIOR
 from kvstore.predictor.learning.online import ReturnForecast
 from kvstore.predictor.placement.hooks import (
@@ -45,7 +46,6 @@ from kvstore.predictor.placement.hooks import (
 )
 from kvstore.store.eviction import LRUPolicy
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import Trigger
 
 LONG_HUMAN_GAP_S = 600.0

@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 DEFAULT_KEPT = 1000
 

@@ -20,10 +20,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.predictor.placement.ranking import TierRanking
 from kvstore.store.eviction import LRUPolicy
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 
 _RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
 

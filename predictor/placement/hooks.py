@@ -16,10 +16,10 @@ from typing import Protocol
 
 from kvstore.errors import UnknownNamespace
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.predictor.learning.online import ReturnForecast
 from kvstore.store.eviction import EvictionPolicy
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import Trigger
 
 

@@ -79,6 +79,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.predictor.placement.decisions import Action, Decision, DecisionLog, Reason, Why
 from kvstore.predictor.placement.holdings import Holdings
 from kvstore.predictor.placement.hooks import (
@@ -94,7 +95,6 @@ from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank
 from kvstore.predictor.placement.thresholds import PlacementConfig
 from kvstore.store.eviction import Occupancy
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 
 INF = math.inf
 

@@ -20,10 +20,10 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.predictor.placement.decisions import Action, Decision, DecisionLog
 from kvstore.predictor.placement.hooks import PrefetchStats
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 
 
 @dataclass(frozen=True)

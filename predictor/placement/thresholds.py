@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 
 
 def _horizons() -> dict[TierKind, float]:

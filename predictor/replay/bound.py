@@ -48,12 +48,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import Namespace
+from kvstore.kinds import TierKind
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call
 from kvstore.predictor.replay.costs import stand_in_layout
 from kvstore.predictor.replay.replay_store import ChunkChains
 from kvstore.predictor.replay.workload import Step, Workload, nominal_seconds
-from kvstore.tiers.kinds import TierKind
 
 LOCAL_TIERS = (TierKind.HBM, TierKind.DRAM, TierKind.SSD)
 

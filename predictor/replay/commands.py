@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.kinds import TierKind
 from kvstore.predictor.replay.engine import DEFAULT_MAX_RUNNING
 from kvstore.predictor.replay.traces import TraceFormat
 from kvstore.predictor.replay.workload import DEFAULT_USERS
 from kvstore.store.config import CostModel
-from kvstore.tiers.kinds import TierKind
 
 if TYPE_CHECKING:
     from kvstore.predictor.replay.config import Progress, ReplayConfig

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from kvstore.block import HEADER_BYTES
 from kvstore.keys import KVLayout
+from kvstore.kinds import TierKind
 from kvstore.store.config import CostModel
 from kvstore.tiers.extents import PAGE_BYTES, round_up
-from kvstore.tiers.kinds import TierKind
 
 LLAMA_8B_KV_BYTES_PER_TOKEN = 131072
 """Llama-3.1-8B, bf16: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes."""

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Namespace, external_keys
+from kvstore.kinds import TierKind
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call
 from kvstore.predictor.replay.costs import stand_in_capacity, stand_in_layout
 from kvstore.store.config import StoreConfig
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
 
 

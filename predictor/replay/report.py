@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.kinds import TierKind
 from kvstore.predictor.replay.bound import Bound, placement_floor
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.results import PolicyResult
 from kvstore.predictor.replay.workload import Workload
-from kvstore.tiers.kinds import TierKind
 
 
 def _clean(value: Any) -> Any:

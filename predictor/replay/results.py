@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.kinds import TierKind
 from kvstore.predictor.placement.hooks import PrefetchStats
 from kvstore.predictor.replay.engine import RequestCost
-from kvstore.tiers.kinds import TierKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ import torch
 
 from kvstore.block import HEADER_BYTES
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.predictor.driver import SessionDriver
 from kvstore.predictor.learning.features import feature_names
 from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel
@@ -83,7 +84,6 @@ from kvstore.predictor.replay.results import CallRecord, PolicyResult
 from kvstore.predictor.replay.scoring import IdlePeriod, score_periods
 from kvstore.predictor.replay.workload import Lane, Step, Workload, gap_after, nominal_idle
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 # -- the nominal timeline -------------------------------------------------------------

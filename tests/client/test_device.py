@@ -29,10 +29,10 @@ from kvstore.block import stored_block
 from kvstore.client.blocks import LeasedBlock
 from kvstore.client.device import HBMArena, copy_device
 from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import KVChunk
 from kvstore.tiers.arena_handle import ArenaHandle, HandleKind
 from kvstore.tiers.hbm import HBMTier
-from kvstore.tiers.kinds import TierKind
 
 NS = kv.namespace(salt="device")
 CHAIN = make_chain(NS, 3, start=70_000, seed=11)

@@ -12,10 +12,10 @@ import pytest
 from support import REPO
 
 from kvstore.config import parse_size
+from kvstore.kinds import TIERS, TierKind
 from kvstore.predictor.config import PredictorConfig
 from kvstore.server.config import DaemonConfig
 from kvstore.store.config import CostModel, StoreConfig
-from kvstore.tiers.kinds import TIERS, TierKind
 from kvstore.tiers.registry import TierConfig
 
 DOC = REPO / "docs" / "configuration.md"

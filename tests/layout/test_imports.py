@@ -209,14 +209,15 @@ def test_a_stores_state_is_touched_only_inside_the_store() -> None:
     assert wrong == []
 
 
-def test_the_daemon_knows_the_tiers_by_kind_only() -> None:
-    """It reaches blocks through the store (``kvstore.store.shared``), never a tier."""
+def test_the_daemon_imports_no_tier() -> None:
+    """It reaches blocks through the store (``kvstore.store.shared``), never a tier, and
+    names kinds by the format's ``kvstore.kinds``."""
     known = modules()
     wrong = sorted(
         f"{name} -> {target}"
         for name, targets in graph().items()
         if _within(known[name].folder, "kvstore.server")
         for target in targets
-        if _within(known[target].folder, "kvstore.tiers") and target != "kvstore.tiers.kinds"
+        if _within(known[target].folder, "kvstore.tiers")
     )
     assert wrong == []

@@ -31,8 +31,8 @@ from support.hosts import (
 
 from kvstore.client.failures import ClientStats
 from kvstore.keys import KVLayout, Namespace
+from kvstore.kinds import TierKind
 from kvstore.local.redis_cluster import RedisCluster
-from kvstore.tiers.kinds import TierKind
 
 pytestmark = pytest.mark.cluster
 

@@ -19,6 +19,7 @@ from support import kv
 from kvstore.cli.daemon_stats import format_predictor
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.predictor import service as service_module
 from kvstore.predictor.config import PredictorConfig
 from kvstore.predictor.learning.counting import HumanGapTable, blend
@@ -27,7 +28,6 @@ from kvstore.predictor.learning.model import DEFAULT_HORIZONS, ReturnModel, defa
 from kvstore.predictor.service import MODEL_FILE, PredictorService, load_model
 from kvstore.store.config import StoreConfig
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import UNNAMED, RequestFinished, RequestStarted, SessionEvent, Trigger
 
 T0 = 1_800_000_000.0

@@ -13,10 +13,10 @@ from kvstore import TieredStore
 from kvstore.block import HEADER_BYTES, Block, encode_block
 from kvstore.errors import CorruptBlock, PutAborted
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.server.landing import Landing
 from kvstore.store.chunk import chunk_bytes
 from kvstore.store.reservation import Filled
-from kvstore.tiers.kinds import TierKind
 
 DRAM = TierKind.DRAM
 SSD = TierKind.SSD

@@ -12,8 +12,8 @@ from support import kv
 from support.redis_servers import RedisServer
 
 from kvstore.breaker import BreakerConfig, CircuitBreaker
+from kvstore.kinds import TierKind
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 
 DRAM, REDIS = TierKind.DRAM, TierKind.REDIS
 

@@ -9,8 +9,8 @@ import pytest
 
 from kvstore.config import default_cache_dir, parse_size
 from kvstore.errors import ConfigError
+from kvstore.kinds import TierKind
 from kvstore.store.config import StoreConfig, apply_env_overrides
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
 
 GiB = 2**30

@@ -14,11 +14,11 @@ from support import kv
 from kvstore.block import HEADER_BYTES, Block, encode_block
 from kvstore.errors import TierFull
 from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.stats import StoreStats
 from kvstore.tiers.base import BlockDestination, StoredBlockInfo
 from kvstore.tiers.dram import DRAMTier
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.lmdb_tier import LMDBTier
 
 NS = kv.namespace()

@@ -8,8 +8,8 @@ from __future__ import annotations
 from support import kv
 
 from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.index import BlockIndex, BlockMeta
-from kvstore.tiers.kinds import TierKind
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS
 NS = kv.namespace()

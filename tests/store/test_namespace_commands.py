@@ -9,8 +9,8 @@ import pytest
 from support import kv
 
 from kvstore.errors import ConfigError, UnknownNamespace
+from kvstore.kinds import TierKind
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 
 DRAM, SSD = TierKind.DRAM, TierKind.SSD
 

@@ -16,9 +16,9 @@ from support import kv
 
 from kvstore.errors import LayoutMismatch
 from kvstore.keys import chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import ChunkPages, KVChunk
 from kvstore.store.out_buffers import OutBuffers, copy_to_device, in_pages
-from kvstore.tiers.kinds import TierKind
 
 NS = kv.namespace(salt="out-buffers")
 KEYS = chunk_keys(NS, kv.tokens(3))

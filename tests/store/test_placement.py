@@ -16,6 +16,7 @@ from support import kv
 from kvstore.block import HEADER_BYTES, Block, Codec, parse_header
 from kvstore.codec import CodecSpec, decode_payload
 from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import chunk_bytes
 from kvstore.store.eviction import LRUPolicy, Occupancy
 from kvstore.store.guarded import GuardedTier
@@ -26,7 +27,6 @@ from kvstore.store.stats import StoreStats
 from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.hbm import HBMTier
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.lmdb_tier import LMDBTier
 
 HBM, DRAM, SSD, REDIS = TierKind.HBM, TierKind.DRAM, TierKind.SSD, TierKind.REDIS

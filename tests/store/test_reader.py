@@ -18,12 +18,12 @@ import kvstore.store.reader as reader_module
 from kvstore.block import HEADER_BYTES, Block, Codec, encode_block, frame_block, parse_header
 from kvstore.codec import encode_payload
 from kvstore.keys import ChunkKey, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.chunk import chunk_bytes
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.reader import BlockReader, ReadOutcome, check_window
 from kvstore.store.stats import StoreStats
 from kvstore.tiers.dram import DRAMTier
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.lmdb_tier import LMDBTier
 
 NS = kv.namespace()

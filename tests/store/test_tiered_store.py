@@ -345,7 +345,7 @@ import numpy as np
 from kvstore.keys import KVLayout, Namespace
 from kvstore.store.config import StoreConfig
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
+from kvstore.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
 
 layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)

@@ -14,9 +14,9 @@ import pytest
 from support import kv
 
 from kvstore.errors import ConfigError
+from kvstore.kinds import TierKind
 from kvstore.local.redis_server import RedisServer
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig, tier_config
 
 DRAM, REDIS = TierKind.DRAM, TierKind.REDIS

@@ -12,8 +12,8 @@ from support import kv
 from support.filesystems import small_tmpfs
 
 from kvstore.keys import chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 
 NS = kv.namespace()
 

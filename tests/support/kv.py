@@ -12,9 +12,9 @@ import torch
 
 from kvstore.block import HEADER_BYTES
 from kvstore.keys import ChunkKey, KVLayout, Namespace
+from kvstore.kinds import TierKind
 from kvstore.store.config import StoreConfig
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)

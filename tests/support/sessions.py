@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.predictor.learning.sessions import SessionState, SessionTracker
 from kvstore.predictor.placement.hooks import SessionPolicy
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.registry import TierConfig
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 from support import kv

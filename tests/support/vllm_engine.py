@@ -30,8 +30,8 @@ from vllm.v1.core import kv_cache_utils
 import kvstore
 from kvstore.client.vllm.pages import PageFormat
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.kinds import TierKind
 from kvstore.store.stats import StoreStats
-from kvstore.tiers.kinds import TierKind
 from support.daemon import Daemon
 from support.lmdb_blocks import damage_block
 

@@ -25,11 +25,11 @@ from support.filesystems import small_tmpfs
 from kvstore.block import Block, check_identity, encode_block, verify_block
 from kvstore.errors import TierError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.store.guarded import GuardedTier
 from kvstore.store.stats import StoreStats
 from kvstore.tiers import lmdb_tier
 from kvstore.tiers.base import Tier
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.lmdb_tier import LMDBTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)

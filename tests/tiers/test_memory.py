@@ -17,12 +17,12 @@ import torch
 from kvstore.block import HEADER_BYTES, Block, encode_block, verify_block
 from kvstore.errors import TierFull, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace, chunk_keys
+from kvstore.kinds import TierKind
 from kvstore.tiers.arena_tier import ArenaTier
 from kvstore.tiers.base import StoredBlockInfo, Tier
 from kvstore.tiers.dram import DRAMTier
 from kvstore.tiers.extents import PAGE_BYTES
 from kvstore.tiers.hbm import HBMTier
-from kvstore.tiers.kinds import TierKind
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=16)
 NS = Namespace("test-model", LAYOUT)

@@ -18,11 +18,11 @@ from support.redis_tiers import CAPACITY, NS, OTHER_NS, MakeTier, make_blocks, r
 from kvstore.block import Block, check_identity, verify_block
 from kvstore.errors import ConfigError, TierFull, TierRefused, TierUnavailable
 from kvstore.keys import ChunkKey, KVLayout, Namespace
+from kvstore.kinds import TierKind
 from kvstore.local.processes import free_port
 from kvstore.local.redis_cluster import RedisCluster
 from kvstore.local.redis_server import RedisServer
 from kvstore.tiers.base import Buffer, Tier
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.redis_tier import RedisTier
 
 

@@ -23,10 +23,10 @@ from support.redis_servers import CLUSTER_PASSWORD, TLSFiles
 from support.redis_tiers import NS, MakeTier, make_blocks
 
 from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.kinds import TierKind
 from kvstore.local.redis_cluster import RedisCluster
 from kvstore.local.redis_server import RedisServer
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.redis_access import RedisAccess
 from kvstore.tiers.redis_tier import RedisTier
 from kvstore.tiers.registry import TierConfig

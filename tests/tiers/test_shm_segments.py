@@ -48,7 +48,7 @@ def test_a_dram_tier_larger_than_dev_shm_is_sized_down_and_never_dies_of_sigbus(
         logging.basicConfig(level=logging.WARNING)
         from support import kv
         from kvstore.store.tiered_store import TieredStore
-        from kvstore.tiers.kinds import TierKind
+        from kvstore.kinds import TierKind
         store = TieredStore(kv.config(kv.dram(64 << 20 >> 12)))  # 64 MiB of 4 KiB slots
         capacity = store.stats().tiers[TierKind.DRAM].capacity_bytes
         assert 0 < capacity < 16 << 20, capacity

@@ -42,7 +42,7 @@ from support.sglang_pages import PAGE_BYTES, PAGE_SIZE, HostPool  # noqa: E402
 
 import kvstore  # noqa: E402
 from kvstore.client.sglang.backend import KVStoreHiCache  # noqa: E402
-from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.kinds import TierKind  # noqa: E402
 
 Attach = Callable[..., KVStoreHiCache]
 MODEL = "Qwen/Qwen3-0.6B"

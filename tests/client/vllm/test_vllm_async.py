@@ -34,7 +34,7 @@ from support.vllm_engine import (  # noqa: E402
     stop_llm,
 )
 
-from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.kinds import TierKind  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:::(torch|vllm|transformers|triton|numba|pydantic)(\.|$)"

@@ -40,7 +40,7 @@ from support.vllm_engine import (  # noqa: E402
 )
 
 import kvstore  # noqa: E402
-from kvstore.tiers.kinds import TierKind  # noqa: E402
+from kvstore.kinds import TierKind  # noqa: E402
 
 # LMDB only: every read is verified, and the files can be damaged between runs. The
 # predictor is on, to see the connector's session events arrive. A put or get may

@@ -9,6 +9,7 @@ import pytest
 from support import kv
 from support.sessions import Sessions
 
+from kvstore.kinds import TierKind
 from kvstore.predictor.learning.model import DEFAULT_HORIZONS
 from kvstore.predictor.placement.baselines import (
     LONG_HUMAN_GAP_S,
@@ -21,7 +22,6 @@ from kvstore.predictor.placement.baselines import (
 from kvstore.predictor.placement.hooks import SessionPolicy
 from kvstore.predictor.placement.policy import PlacementConfig, PlacementPolicy
 from kvstore.store.tiered_store import TieredStore
-from kvstore.tiers.kinds import TierKind
 
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 

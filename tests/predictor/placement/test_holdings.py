@@ -4,8 +4,8 @@ stay; what the policy moves itself is neither an eviction nor a stay."""
 from __future__ import annotations
 
 from kvstore.keys import ChunkKey
+from kvstore.kinds import TierKind
 from kvstore.predictor.placement.holdings import Holdings
-from kvstore.tiers.kinds import TierKind
 
 HBM, DRAM = TierKind.HBM, TierKind.DRAM
 

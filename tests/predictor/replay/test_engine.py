@@ -12,6 +12,7 @@ import torch
 
 from kvstore.block import encode_block
 from kvstore.keys import ChunkKey, Namespace, external_keys
+from kvstore.kinds import TierKind
 from kvstore.predictor.learning.model import ReturnModel
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call, Conversation, Stop, Subagents
@@ -34,7 +35,6 @@ from kvstore.predictor.replay.workload import (
     nominal_seconds,
 )
 from kvstore.store.config import CostModel
-from kvstore.tiers.kinds import TierKind
 from kvstore.tiers.lmdb_tier import LMDBTier
 from kvstore.wire.events import Trigger
 

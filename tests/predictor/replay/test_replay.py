@@ -12,6 +12,7 @@ from support import PUBLIC_TRACES
 
 from kvstore.cli import main
 from kvstore.errors import ConfigError
+from kvstore.kinds import TierKind
 from kvstore.predictor.learning.features import FEATURES, feature_names
 from kvstore.predictor.learning.model import ReturnModel
 from kvstore.predictor.learning.online import OnlineLearner
@@ -35,7 +36,6 @@ from kvstore.predictor.replay.simulator import horizons_for
 from kvstore.predictor.replay.traces import load_trace
 from kvstore.predictor.replay.training import train
 from kvstore.predictor.replay.workload import from_trace, load_workload
-from kvstore.tiers.kinds import TierKind
 from kvstore.wire.events import RequestFinished, RequestStarted, Trigger
 
 TRACES = PUBLIC_TRACES
