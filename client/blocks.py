@@ -27,12 +27,11 @@ from there, if given):
   ``kvstore.store.reader`` overlaps LMDB reads; ``finish`` waits for the last.
 * ``copy_leased`` copies the blocks a ``"shm"`` lease points at out of the
   read-only mapping (``client.shm``), checked as ``Verify`` says. A large
-  batch of large blocks checksummed as they are copied (FULL) is copied by
-  two threads taking blocks in turn (copy and checksum release the GIL);
-  anything else by one, as a second thread then costs more GIL hand-offs
-  than it saves (``PARALLEL_COPY_BYTES``). A lease's HBM blocks are copied
-  device to device by ``client.device`` instead, and reach ``copy_leased``
-  as done or inline.
+  batch of large blocks is copied by two threads taking blocks in turn (copy
+  and checksum release the GIL); a batch of small blocks by one, as a second
+  thread then costs more GIL hand-offs than it saves (``PARALLEL_COPY_BYTES``).
+  A lease's HBM blocks are copied device to device by ``client.device``
+  instead, and reach ``copy_leased`` as done or inline.
 
 How a shared-memory copy is checked (``Verify``)::
 
@@ -105,13 +104,13 @@ from kvstore.wire.frames import META_LENGTH, FrameDecoder, FrameLimits, meta_len
 Destinations = Sequence[np.ndarray] | None
 LeasedDestinations = Sequence[np.ndarray | ChunkPages] | None
 
-# A leased batch is copied by two threads only where the copy is CPU-bound, its
-# blocks checksummed as they are copied (FULL), and the batch and its blocks are
+# A leased batch is copied by two threads only where the batch and its blocks are
 # large: the hand-off costs about as much as copying a few hundred KiB, and each
-# block takes the GIL to start and finish. On 2 cores (AMD EPYC), 64 MiB
-# checksummed as 32 2-MiB blocks: two threads 14.2 ms, one 15.3; as 256
-# 256-KiB blocks: two 56.6, one 35.4; a FAST copy (memory-bound) was slower on
-# two threads at either size (15.0 against 12.6 ms at 2 MiB).
+# block takes the GIL to start and finish. On 2 cores (AMD EPYC), 64 MiB checksummed
+# as 256 256-KiB blocks: two threads 56.6 ms, one 35.4. Of large blocks, two threads
+# copy more, checked FAST too: `bench/daemon.py`'s shared-memory gets of 128 MiB in
+# 2 and 16 MiB blocks, run interleaved, 0.92-1.07 of a one-thread memcpy with two
+# threads against 0.63-0.77 with one.
 PARALLEL_COPY_BYTES = 4 << 20
 PARALLEL_BLOCK_BYTES = 1 << 20
 
@@ -424,8 +423,8 @@ def copy_leased(
 ) -> Received:
     """Copy and check (``verify``) every leased block; note which ones to fetch inline.
 
-    With a ``helper``, blocks checksummed as they are copied and a large batch
-    of large blocks (``PARALLEL_COPY_BYTES``), the helper's thread copies too.
+    With a ``helper`` and a large batch of large blocks (``PARALLEL_COPY_BYTES``),
+    the helper's thread copies too.
     The two threads take blocks one at a time from one iterator (``next`` on
     it is atomic under the GIL), not a fixed half each: on a busy host the
     helper's thread may be descheduled for milliseconds,
@@ -469,10 +468,8 @@ def copy_leased(
         return corrupt
 
     total = sum(entries[index].length or 0 for index in leased)
-    checksummed = verify is Verify.FULL or any(entries[i].generation is None for i in leased)
     if (
         helper is None
-        or not checksummed
         or len(leased) < 2
         or total < max(PARALLEL_COPY_BYTES, PARALLEL_BLOCK_BYTES * len(leased))
     ):

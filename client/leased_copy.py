@@ -6,7 +6,7 @@ lies in its device arena. ``LeasedCopier`` keeps the two mappings and copies the
 blocks out of them:
 
 * DRAM blocks through the mapped segment (``client.shm``), checked as ``Verify``
-  says, large checksummed batches on a helper thread too (``blocks.copy_leased``),
+  says, large batches of large blocks on a helper thread too (``blocks.copy_leased``),
   straight into the caller's pages where it gave ``ChunkPages``;
 * HBM blocks device to device by CUDA IPC, proven by their generations
   (``client.device``). An arena that does not open here turns device memory off

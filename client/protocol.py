@@ -27,7 +27,7 @@ client. The namespace set, the shared-memory mapping and the back-off
 deadline are each replaced by single assignments, without a lock: the worst
 a race can do is register a namespace twice or map a segment twice, both
 harmless. The counters are updated under ``_lock``. Shared-memory copies of
-large checksummed batches use one helper thread (``blocks.copy_leased``), and blocks
+large batches of large blocks use one helper thread (``blocks.copy_leased``), and blocks
 received as bytes through h11 are verified on another while the next ones
 arrive (``blocks.FramesSink``; a blocking transport, which both shells use
 for bytes gets when they have one, checksums them as they land,
