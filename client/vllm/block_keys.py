@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar, cast
 
 from kvstore.client.vllm.pages import PageFormat
@@ -34,9 +34,9 @@ V = TypeVar("V")
 
 
 class PerSalt(Generic[V]):
-    """A table by vLLM block hash per ``cache_salt``, at most ``keep`` entries each, the
-    newest kept, and ``SALTS_KEPT`` tables, the one asked for least recently dropped
-    first. Not thread safe: its owner holds a lock."""
+    """A table by vLLM block hash per ``cache_salt``, at most ``keep`` entries each, and
+    ``SALTS_KEPT`` tables, the one asked for least recently dropped first. Not thread
+    safe: its owner holds a lock."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
@@ -50,17 +50,23 @@ class PerSalt(Generic[V]):
             del self._tables[next(iter(self._tables))]
         return table
 
-    def trim(self, salt: str | None, table: dict[bytes, V]) -> None:
-        """Keep the newest half of ``salt``'s ``table`` once it holds more than ``keep``:
-        amortised O(1) an entry."""
-        if len(table) > self._keep:
-            newest = itertools.islice(table.items(), len(table) - self._keep // 2, None)
-            self.replace(salt, dict(newest))
-
-    def replace(self, salt: str | None, table: dict[bytes, V]) -> None:
-        """``table`` is now ``salt``'s, unless ``salt`` was dropped meanwhile."""
+    def trim(
+        self, salt: str | None, table: dict[bytes, V], when: Callable[[V], int] | None = None
+    ) -> dict[bytes, V]:
+        """``salt``'s ``table`` cut to its newest half once it holds more than ``keep``
+        (amortised O(1) an entry): the entries inserted last, or those whose ``when``
+        is latest; the table now ``salt``'s, unless ``salt`` was dropped meanwhile."""
+        if len(table) <= self._keep:
+            return table
+        first = len(table) - self._keep // 2
+        if when is None:
+            table = dict(itertools.islice(table.items(), first, None))
+        else:
+            cutoff = sorted(map(when, table.values()))[first]
+            table = {key: value for key, value in table.items() if when(value) >= cutoff}
         if salt in self._tables:
             self._tables[salt] = table
+        return table
 
 
 class BlockKeys:

@@ -39,7 +39,6 @@ class HeldBlocks:
     again outlives one nobody asked for."""
 
     def __init__(self, keep: int = KEYS_KEPT) -> None:
-        self._keep = keep
         self._lock = threading.Lock()
         self._held: PerSalt[int] = PerSalt(keep)
         self._sequence = itertools.count()
@@ -68,11 +67,7 @@ class HeldBlocks:
         """Remember ``hashes`` at ``when``; ``salt``'s table. The lock is held."""
         held = self._held.table(salt)
         held.update(dict.fromkeys(hashes, when))  # one C loop: 7,438 hashes in ~0.2 ms
-        if len(held) > self._keep:
-            cutoff = sorted(held.values())[len(held) - self._keep // 2]
-            held = {block_hash: at for block_hash, at in held.items() if at >= cutoff}
-            self._held.replace(salt, held)
-        return held
+        return self._held.trim(salt, held, when=int)  # values are when each was remembered
 
     def run(self, salt: str | None, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``hashes`` are remembered as held."""
