@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.kinds import TierKind
-from kvstore.predictor.replay.engine import DEFAULT_MAX_RUNNING
+from kvstore.predictor.replay.engine import DEFAULT_MAX_RUNNING, StartReported
 from kvstore.predictor.replay.traces import TraceFormat
 from kvstore.predictor.replay.workload import DEFAULT_USERS
 from kvstore.store.config import CostModel
@@ -76,6 +76,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     replay.add_argument(
         "--max-running", type=int, default=DEFAULT_MAX_RUNNING,
         help=f"requests in the engine's batch at once (default {DEFAULT_MAX_RUNNING})",
+    )  # fmt: skip
+    replay.add_argument(
+        "--started-at", choices=[when.value for when in StartReported],
+        default=StartReported.ARRIVAL.value,
+        help="when the engine reports a request's start to the daemon: as it arrives "
+        "(default) or once admitted (vLLM's connector); they differ while requests queue",
     )  # fmt: skip
     replay.add_argument(
         "--gpus", type=int, default=1,
@@ -221,7 +227,11 @@ def _replay(args: argparse.Namespace) -> int:
             sizing=Sizing(args.hbm_gb, args.dram_gb, args.ssd_gb, args.redis_gb),
             kv_bytes_per_token=args.kv_bytes_per_token,
             costs=costs,
-            engine=EngineModel(max_running=args.max_running, gpus=args.gpus),
+            engine=EngineModel(
+                max_running=args.max_running,
+                gpus=args.gpus,
+                started=StartReported(args.started_at),
+            ),
             chunk_blocks=args.chunk_blocks or chunk_blocks_for(workload.block_tokens),
             tick_s=args.tick,
             max_requests=args.max_requests,

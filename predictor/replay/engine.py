@@ -28,6 +28,7 @@ Defaults model Llama-3.1-8B in bf16 on one H200: ~100 GB of its 141 GB for KV.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from dataclasses import dataclass
 
@@ -35,15 +36,33 @@ DEFAULT_MAX_RUNNING = 64
 """Requests in the batch at once: vLLM's ``max_num_seqs`` for an 8B model at long contexts."""
 
 
+class StartReported(enum.Enum):
+    """When the engine tells the daemon a request began (``request_started``, which the
+    learner labels by and on which the policy prefetches the session's chain).
+
+    ``ARRIVAL``: as the request comes in. ``ADMISSION``: once it is admitted, as
+    vLLM's connector does (``client.vllm.scheduler``: at block allocation). The two
+    differ only while requests queue for admission: then a session reported at
+    arrival looks back, and is placed and prefetched as if about to be read, for as
+    long as its request waits, while one reported at admission looks idle until it
+    is read.
+    """
+
+    ARRIVAL = "arrival"
+    ADMISSION = "admission"
+
+
 @dataclass(frozen=True)
 class EngineModel:
     """The engine's bounds: how many GPUs prefill (each one prefill at a time), requests in
     each GPU's batch at once; the HBM for KV of all of them is the HBM tier
     (``Sizing.hbm_gb``). One GPU by default: a request trace recorded on a cluster
-    (Mooncake's) needs as many as it kept busy, or its prefills queue without end."""
+    (Mooncake's) needs as many as it kept busy, or its prefills queue without end.
+    ``started``: when it reports a request's start to the daemon."""
 
     max_running: int = DEFAULT_MAX_RUNNING
     gpus: int = 1
+    started: StartReported = StartReported.ARRIVAL
 
 
 @dataclass(frozen=True, slots=True)

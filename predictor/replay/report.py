@@ -201,6 +201,7 @@ def summarize(
             "reload_bytes_per_s": {kind.label: config.costs.bytes_per_s(kind) for kind in TierKind},
             "max_running": config.engine.max_running,
             "gpus": config.engine.gpus,
+            "started_at": config.engine.started.value,
             "closed_loop": workload.closed_loop,
             "lanes": len(workload.lanes),
             "seed": config.seed,

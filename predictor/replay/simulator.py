@@ -4,17 +4,20 @@ simulated clock, in a modeled engine (``replay.engine``).
 One call, as events::
 
     arrive   (open loop: its trace time; closed loop: think_s after the last response)
-             tracker/learner ─► policy.on_resume (prefetch) ─► the admission queue
-    admit    (a batch slot and HBM free) lookup ─► get the chunks worth loading
-             ─► put the rest ─► pin the prompt in HBM ─► the GPU queue ─► first token
+             [started] ─► the admission queue
+    admit    (a batch slot and HBM free) [started] ─► lookup ─► get the chunks worth
+             loading ─► put the rest ─► pin the prompt in HBM ─► the GPU queue ─► first token
     finish   (first token + api_s) unpin ─► tracker/learner (forecast) ─► policy.on_idle
              ─► the session's next step: a call think_s away, subagents, or its end
     tick     (every tick_s) learner.tick, policy.tick, HBM held by idle sessions
 
-The tracker, learner and policy calls go through ``driver.SessionDriver``, the
-same wiring the daemon uses (``service``). Events run in time order; at equal
-times ticks first, then finishes, then arrivals, so a session that returns
-the instant it went idle is seen idle first. A group of subagents starts as
+``started`` (tracker/learner ─► policy.on_resume, which prefetches) comes where the
+engine reports a request's start (``EngineModel.started``): at arrival by default,
+at admission as vLLM's connector reports it. The tracker, learner and policy calls
+go through ``driver.SessionDriver``, the same wiring the daemon uses (``service``).
+Events run in time order; at equal times ticks first, then finishes, then
+arrivals, so a session that returns the instant it went idle is seen idle first.
+A group of subagents starts as
 its step comes; they run as sessions of their own and the parent's next call
 waits until the last of them has finished.
 
@@ -71,7 +74,7 @@ from kvstore.predictor.replay.costs import (
     stand_in_capacity,
     stand_in_layout,
 )
-from kvstore.predictor.replay.engine import Admission, PrefillQueue, RequestCost
+from kvstore.predictor.replay.engine import Admission, PrefillQueue, RequestCost, StartReported
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
 from kvstore.predictor.replay.policies import (
     PolicyKind,
@@ -333,8 +336,16 @@ class _Run:
     # -- one call ------------------------------------------------------------------
 
     def _arrive(self, request: _Request, now: float) -> None:
-        session, call = request.session, request.call
         request.arrival = now
+        if self.config.engine.started is StartReported.ARRIVAL:
+            self._started(request, now)
+        self.waiting.append(request)
+        self._admit_waiting(now)
+
+    def _started(self, request: _Request, now: float) -> None:
+        """The engine reports ``request`` started (``EngineModel.started``): the trackers,
+        the learner and the policy hear of it."""
+        session, call = request.session, request.call
         if call.trigger is Trigger.USER and session.idle_since is not None:
             session.last_human_gap = now - session.idle_since
             if self.lognormal is not None:
@@ -345,14 +356,14 @@ class _Run:
         started = RequestStarted(session.name, call.trigger, call.prompt_tokens, 0, now)
         state = self.driver.started(started, request.keys, self.namespace.digest, session.user)
         self.driver.resumed(state, now)
-        self.waiting.append(request)
-        self._admit_waiting(now)
 
     def _admit_waiting(self, now: float) -> None:
         while self.waiting and self.admission.fits(len(self.waiting[0].keys)):
             self._admit(self.waiting.pop(0), now)
 
     def _admit(self, request: _Request, now: float) -> None:
+        if self.config.engine.started is StartReported.ADMISSION:
+            self._started(request, now)
         keys, call = request.keys, request.call
         self.admission.take(len(keys))
         written = self._written_below()

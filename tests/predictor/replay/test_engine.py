@@ -14,6 +14,8 @@ from kvstore.block import encode_block
 from kvstore.keys import ChunkKey, Namespace, external_keys
 from kvstore.kinds import TierKind
 from kvstore.predictor.learning.model import ReturnModel
+from kvstore.predictor.placement.baselines import LRUBaseline
+from kvstore.predictor.placement.hooks import IdleSession
 from kvstore.predictor.replay.config import ReplayConfig
 from kvstore.predictor.replay.conversations import Call, Conversation, Stop, Subagents
 from kvstore.predictor.replay.costs import (
@@ -21,10 +23,12 @@ from kvstore.predictor.replay.costs import (
     stand_in_capacity,
     stand_in_layout,
 )
-from kvstore.predictor.replay.engine import Admission, EngineModel, PrefillQueue
+from kvstore.predictor.replay.engine import Admission, EngineModel, PrefillQueue, StartReported
 from kvstore.predictor.replay.parallel import replay
-from kvstore.predictor.replay.policies import parse_policies
+from kvstore.predictor.replay.policies import PolicyKind, PolicySpec, parse_policies
+from kvstore.predictor.replay.replay_store import store_config
 from kvstore.predictor.replay.results import PolicyResult
+from kvstore.predictor.replay.simulator import _Run
 from kvstore.predictor.replay.workload import (
     Lane,
     Script,
@@ -35,6 +39,7 @@ from kvstore.predictor.replay.workload import (
     nominal_seconds,
 )
 from kvstore.store.config import CostModel
+from kvstore.store.tiered_store import TieredStore
 from kvstore.tiers.lmdb_tier import LMDBTier
 from kvstore.wire.events import Trigger
 
@@ -285,3 +290,37 @@ def test_the_ssd_tier_holds_its_slots_of_stand_ins_through_churn(tmp_path: Path)
     _churn(tier, namespace, slots, rounds=1.5)
     assert tier.used_bytes() <= capacity
     tier.close()
+
+
+class _HeardStarts(LRUBaseline):
+    """LRU that notes when each session's start reached it (``on_resume``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resumed: dict[str, float] = {}
+
+    def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
+        self.resumed[state.session] = now
+        super().on_resume(store, state, now)
+
+
+@pytest.mark.parametrize("started", list(StartReported))
+def test_the_engine_reports_a_start_at_arrival_or_at_admission(
+    started: StartReported, tmp_path: Path
+) -> None:
+    """Two sessions arrive together into a batch of one: the second waits for the first,
+    and hears of its own start when it arrives, or only once it is admitted."""
+    lanes = tuple(
+        Lane(name, 0.0, (Script(name, name, (call(name, 2, human=True, api=5.0),), (0.0,)),))
+        for name in ("a", "b")
+    )
+    workload = Workload("hand-built", BLOCK, lanes)
+    replay_config = config(100, engine=EngineModel(max_running=1, started=started))
+    policy = _HeardStarts()
+    with TieredStore(store_config(replay_config, BLOCK, tmp_path), policy=policy) as store:
+        result = _Run(workload, PolicySpec(PolicyKind.LRU), replay_config, store, policy).run(None)
+    first, second = sorted(result.calls, key=lambda record: record.cost.admitted)
+    assert second.cost.admitted == pytest.approx(first.end) and first.end > 5.0
+    assert policy.resumed[first.session] == 0.0
+    expected = 0.0 if started is StartReported.ARRIVAL else second.cost.admitted
+    assert policy.resumed[second.session] == pytest.approx(expected)
