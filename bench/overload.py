@@ -13,6 +13,11 @@ GPU-seconds against LRU's and the best baseline's in the same scenario::
     conversations kv-cache-tester conversations (--traces) starting at Poisson
                   times (--rate an hour), open loop, on 1 GPU: more than it serves
 
+``--started-at admission`` has the engine report each request's start once it is
+admitted, as vLLM's connector does, rather than when it arrives (``kvstore replay
+--started-at``): while requests queue for hours the two tell the policies very
+different stories.
+
 The figure is the ratio: a policy that costs more than LRU (above 1.00x) in any
 scenario is what a default policy cannot afford. Prefetches issued and
 wasted come with each row. ``--quick`` is a few minutes of agents on one GPU.
@@ -95,6 +100,7 @@ def rows(report: dict[str, Any]) -> dict[str, dict[str, float]]:
             "load_seconds": result["load_seconds"],
             "prefetches_issued": prefetches.get("issued", 0),
             "prefetches_wasted": prefetches.get("wasted", 0),
+            "overload": result.get("overload"),  # the placement policy's fallback to LRU
         }
     return figures
 
@@ -111,6 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rate", type=float, default=120.0, help="conversations an hour")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--started-at",
+        choices=("arrival", "admission"),
+        default="arrival",
+        help="when the engine reports a request's start (kvstore replay --started-at)",
+    )
     args = parser.parse_args(argv)
     policies = (
         args.policy.split(",") if args.policy else list(QUICK_POLICIES if args.quick else POLICIES)
@@ -138,9 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 paths, flags = [str(trace)], []
             log(f"{scenario.name}: {', '.join(policies)}")
-            flags += [*scenario.flags, "--seed", str(args.seed)]
+            flags += [*scenario.flags, "--seed", str(args.seed), "--started-at", args.started_at]
             results[scenario.name] = rows(replay(paths, flags, policies))
-    report = {"policies": policies, "scenarios": results}
+    report = {"policies": policies, "started_at": args.started_at, "scenarios": results}
     if args.json:
         emit_json(report)
     else:
@@ -149,7 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def print_tables(results: dict[str, Any]) -> None:
-    headers = ["policy", "GPU-s", "x LRU", "x best baseline", "TTFT p50 s", "prefetches", "wasted"]
+    headers = [
+        "policy", "GPU-s", "x LRU", "x best baseline", "TTFT p50 s", "prefetches", "wasted",
+        "as LRU",
+    ]  # fmt: skip
     for name, figures in results.items():
         print(f"\n{name}")
         table = [
@@ -161,10 +176,19 @@ def print_tables(results: dict[str, Any]) -> None:
                 f"{row['ttft_p50']:.3g}",
                 row["prefetches_issued"],
                 row["prefetches_wasted"],
+                fallen_back(row.get("overload")),
             ]
             for policy, row in figures.items()
         ]
         print(format_table(headers, table))
+
+
+def fallen_back(overload: dict[str, float] | None) -> str:
+    """How long the placement policy evicted as LRU (``placement.overload``); "-" for a
+    baseline."""
+    if not overload:
+        return "-"
+    return f"{overload['overloaded_s'] / 3600:.1f} h, {overload['held_back']:,} held back"
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ class Occupancy(Protocol):
 class EvictionPolicy(Protocol):
     """Orders eviction candidates per tier. Called with the store lock held."""
 
-    leaves_only: bool
-    """Whether the store takes only the leaves of ``victims``' order (module docstring)."""
+    @property
+    def leaves_only(self) -> bool:
+        """Whether the store takes only the leaves of ``victims``' order (module docstring);
+        asked at every eviction."""
 
     def on_access(
         self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None

@@ -65,6 +65,13 @@ blocks stay in each tier is kept by ``placement.holdings``; this module ranks.
 Ownership, not membership, decides what a session's idle placement moves, so
 one session going idle does not demote a prefix the others keep using.
 
+Overload. While the chains of the sessions started and not finished overflow the
+fastest tier by more than the engine drains within DRAM's horizon
+(``placement.overload``), requests are queueing for admission, and a forecast of
+when a session is back says little of when its chain is read. The policy then
+evicts as LRU does (any block, least recently used first), prefetches nothing
+and places nobody, until the queue has drained.
+
 The baselines are ``placement.baselines``'; the oracle is ``PlacementPolicy``
 fed ``perfect_forecast``: the true next arrival read from the trace, a perfect
 classifier at the model's horizons.
@@ -90,10 +97,11 @@ from kvstore.predictor.placement.hooks import (
     perfect_forecast,
     session_namespace,
 )
+from kvstore.predictor.placement.overload import AdmissionWatch
 from kvstore.predictor.placement.prefetching import PlannedPrefetch, Prefetcher
 from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank
 from kvstore.predictor.placement.thresholds import PlacementConfig
-from kvstore.store.eviction import Occupancy
+from kvstore.store.eviction import LRUPolicy, Occupancy
 from kvstore.store.tiered_store import TieredStore
 
 INF = math.inf
@@ -128,8 +136,6 @@ _RESUMED = Why(Reason.RESUMED)
 class PlacementPolicy:
     """Idle placement and eviction by forecast return; see the module docstring."""
 
-    leaves_only = True
-
     def __init__(
         self,
         config: PlacementConfig | None = None,
@@ -145,6 +151,8 @@ class PlacementPolicy:
         self._recency = itertools.count(1)
         self._sessions: dict[str, _Session] = {}
         self._held = Holdings()
+        self._lru = LRUPolicy()  # the order it evicts by while the engine is overloaded
+        self.watch = AdmissionWatch(self.config.overload)
         self._prefetcher = Prefetcher(
             self.decisions, lambda kind: self._held.tiers[kind].owner, defer=defer_prefetches
         )
@@ -156,9 +164,15 @@ class PlacementPolicy:
 
     # -- EvictionPolicy ----------------------------------------------------
 
+    @property
+    def leaves_only(self) -> bool:
+        """Leaves only, except while the engine is overloaded: then it evicts as LRU does."""
+        return not self.watch.overloaded
+
     def on_access(
         self, tier: TierKind, keys: Sequence[ChunkKey], session: str | None = None
     ) -> None:
+        self._lru.on_access(tier, keys, session)
         prefetched = self._prefetcher.unread[tier]
         if prefetched:
             for key in keys:
@@ -189,6 +203,7 @@ class PlacementPolicy:
         return self._held.owned(session)
 
     def on_remove(self, tier: TierKind, key: ChunkKey) -> None:
+        self._lru.on_remove(tier, key)
         owner = self._held.pushed_out(tier, key)
         if owner is not None:
             self._evicted(tier, key, owner)
@@ -223,13 +238,19 @@ class PlacementPolicy:
 
     def victims(self, tier: TierKind) -> Iterator[ChunkKey]:
         """Blocks no session touched, then sessions' blocks in rank order
-        (``Holdings.victims``); the store takes the leaves among them."""
+        (``Holdings.victims``), of which the store takes the leaves; while the engine
+        is overloaded, any block, least recently used first."""
+        if self.watch.overloaded:
+            return self._lru.victims(tier)
         return self._held.victims(tier)
 
     def destination(self, tier: TierKind, key: ChunkKey, occupancy: Occupancy) -> TierKind | None:
         """Where a victim of ``tier`` goes (``kvstore.store.placement`` asks): the first slower
         tier that has room or whose next victim the block's session outranks; the
-        last tier if none. ``None`` (the next tier) when the policy has no say."""
+        last tier if none. ``None`` (the next tier) when the policy has no say, or the
+        engine is overloaded."""
+        if self.watch.overloaded:
+            return None
         owner = self._held.owner(key)
         session = self._sessions.get(owner) if owner is not None else None
         if session is None:
@@ -247,12 +268,17 @@ class PlacementPolicy:
         self, store: TieredStore, state: IdleSession, forecast: Forecast | None, now: float
     ) -> TierKind | None:
         self._now = now
+        self.watch.finished(state.session)
         session = self._session(state.session)
         session.active = False
         session.idle_since = now
         self._forecast(session, forecast, now)
         session.state = state
         session.target = None
+        if self.watch.overloaded:  # placed at its first look once the engine keeps up
+            self.watch.held_back += 1
+            self._look_later(session, now)
+            return None
         return self._place(store, session, now, fresh=True)
 
     def on_forecast(
@@ -264,6 +290,10 @@ class PlacementPolicy:
         if session is None or session.active:
             return
         self._forecast(session, forecast, now)
+        if self.watch.overloaded:
+            self.watch.held_back += 1
+            self._look_later(session, now)
+            return
         self._place(store, session, now, fresh=True)
 
     def _forecast(self, session: _Session, forecast: Forecast | None, now: float) -> None:
@@ -271,8 +301,10 @@ class PlacementPolicy:
         session.epoch += 1
 
     def on_resume(self, store: TieredStore, state: IdleSession, now: float) -> None:
-        """Prefetch the session's chain into the fastest tier: its lookup is next."""
+        """Prefetch the session's chain into the fastest tier: its lookup is next (unless
+        the engine is overloaded: then its request waits, and the prefetch with it)."""
         self._now = now
+        self.watch.started(state.session, len(state.chain))
         session = self._session(state.session)
         if not session.active and session.forecast is not None:
             self.gaps.add(now - session.idle_since)
@@ -280,11 +312,18 @@ class PlacementPolicy:
         session.state = state
         session.epoch += 1
         self._rerank(session)
+        if self.watch.overloaded:
+            self.watch.held_back += 1
+            return
         self._prefetch(store, session, store.tier_kinds[0], _RESUMED)
 
     def tick(self, store: TieredStore, now: float) -> None:
-        """Re-place the idle sessions whose next look is due."""
+        """Re-place the idle sessions whose next look is due, unless the engine is
+        overloaded (``placement.overload``): then they wait, due, until it keeps up."""
         self._now = now
+        room = self._slots(store.occupancy(), store.tier_kinds[0])
+        if self.watch.update(now, room):
+            return
         while self._checks and self._checks[0][0] <= now:
             _, _, epoch, name = heapq.heappop(self._checks)
             session = self._sessions.get(name)
@@ -331,14 +370,18 @@ class PlacementPolicy:
         if self._held.level(session.name) is None:
             del self._sessions[session.name]  # nothing left to place
         else:
-            elapsed = now - session.idle_since
-            wait = min(
-                max(self.config.check_fraction * elapsed, self.config.check_min_s),
-                self.config.check_max_s,
-            )
-            check = (now + wait, next(self._sequence), session.epoch, session.name)
-            heapq.heappush(self._checks, check)
+            self._look_later(session, now)
         return placed
+
+    def _look_later(self, session: _Session, now: float) -> None:
+        """Schedule the idle session's next look: sooner while its idle time is short."""
+        elapsed = now - session.idle_since
+        wait = min(
+            max(self.config.check_fraction * elapsed, self.config.check_min_s),
+            self.config.check_max_s,
+        )
+        check = (now + wait, next(self._sequence), session.epoch, session.name)
+        heapq.heappush(self._checks, check)
 
     def _move(
         self,

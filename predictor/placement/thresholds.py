@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvstore.kinds import TierKind
+from kvstore.predictor.placement.overload import OverloadConfig
 
 
 def _horizons() -> dict[TierKind, float]:
@@ -39,6 +40,8 @@ class PlacementConfig:
     """An idle chain goes up to a faster tier other than HBM when its chance there beats
     that tier's next victim's by this factor (any chance, if the tier has room): two
     chains of about the same chance do not trade places at every look."""
+    overload: OverloadConfig = field(default_factory=OverloadConfig)
+    """When the policy falls back to LRU because the engine cannot keep up."""
 
     def horizon(self, kind: TierKind) -> float:
         return _of(self.horizons_s, kind)

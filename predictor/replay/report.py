@@ -97,6 +97,7 @@ def policy_summary(result: PolicyResult) -> dict[str, Any]:
         "prefetches_used": result.prefetches.used,
         "prefetches_wasted": result.prefetches.wasted,
         "demoted_at_idle": result.demoted_at_idle,
+        "overload": result.overload,
         "tiers": result.tier_counters,
         "auc": {},
         "brier": {},

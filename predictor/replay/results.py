@@ -51,6 +51,9 @@ class PolicyResult:
     hbm_byte_seconds_idle: float = 0.0
     prefetches: PrefetchStats = field(default_factory=PrefetchStats)
     demoted_at_idle: int = 0
+    overload: dict[str, float] | None = None
+    """The placement policy's fallback to LRU (``placement.overload``): how often, how long,
+    and the placements and prefetches it held back; None for a baseline."""
     tier_counters: dict[str, dict[str, int]] = field(default_factory=dict)
     bytes_moved: dict[str, dict[str, float]] = field(default_factory=dict)
     quality: dict[str, dict[str, float]] | None = None

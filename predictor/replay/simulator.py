@@ -520,6 +520,7 @@ class _Run:
         result.prefetches = self.policy.prefetches
         if isinstance(self.policy, PlacementPolicy):
             result.demoted_at_idle = self.policy.demoted
+            result.overload = self.policy.watch.to_dict()
         if self.learner is not None and self.learner.scores is not None:
             result.quality = self.learner.scores.report()
         if self.learner is not None and self.config.model_out is not None:

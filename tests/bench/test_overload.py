@@ -60,11 +60,13 @@ def test_the_command_writes_the_file_and_reports_what_it_holds(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("started_at", ["arrival", "admission"])
 def test_the_overload_benchmark_compares_every_policy_with_lru_in_the_same_run(
-    capsys: pytest.CaptureFixture[str],
+    started_at: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert overload.main(["--quick", "--json"]) == 0
+    assert overload.main(["--quick", "--json", "--started-at", started_at]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["started_at"] == started_at
     figures = report["scenarios"]["agents-1gpu"]
     assert list(figures) == list(overload.QUICK_POLICIES)
     assert figures["lru"]["vs_lru"] == 1.0
@@ -72,3 +74,5 @@ def test_the_overload_benchmark_compares_every_policy_with_lru_in_the_same_run(
         assert row["gpu_seconds"] > 0 and row["ttft_p50"] > 0
         assert 0 <= row["prefetches_wasted"] <= row["prefetches_issued"]
     assert figures["lru"]["prefetches_issued"] == 0  # LRU never prefetches
+    assert figures["lru"]["overload"] is None  # a baseline has no fallback to count
+    assert set(figures["predictor"]["overload"]) == {"entered", "overloaded_s", "held_back"}

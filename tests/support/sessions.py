@@ -59,6 +59,15 @@ class Sessions:
         finished = RequestFinished(session, 1, 8, len(tokens), tool_running, 0, 0, now + 1)
         return self.tracker.finished(finished, keys, self.ns.digest)
 
+    def arrive(self, session: str, tokens_start: int, n_chunks: int, now: float) -> SessionState:
+        """A request of ``session`` reported started as it arrives, and still waiting for
+        the engine to admit it: nothing of it read or put yet."""
+        keys = self.keys(tokens_start, n_chunks)
+        started = RequestStarted(session, Trigger.USER, n_chunks * kv.LAYOUT.chunk_tokens, 0, now)
+        state, _ = self.tracker.started(started, keys, self.ns.digest)
+        self.policy.on_resume(self.store, state, now)
+        return state
+
     def busy(self, n_chunks: int) -> None:
         """A request that keeps running (no ``on_idle``) and holds ``n_chunks`` of HBM."""
         self.request("busy", 5000, n_chunks, now=0.0)
