@@ -66,7 +66,7 @@ Ownership, not membership, decides what a session's idle placement moves, so
 one session going idle does not demote a prefix the others keep using.
 
 Overload. While the chains of the sessions started and not finished overflow the
-fastest tier by more than the engine drains within DRAM's horizon
+fastest tier by more than the engine drains within SSD's horizon
 (``placement.overload``), requests are queueing for admission, and a forecast of
 when a session is back says little of when its chain is read. The policy then
 evicts as LRU does (any block, least recently used first), prefetches nothing

@@ -1,6 +1,6 @@
 """The placement policy while the engine cannot keep up: it watches the chains of the
 sessions started and not finished against the fastest tier, and falls back to LRU while
-draining them would make a request wait past DRAM's horizon (``placement.overload``)."""
+draining them would make a request wait past SSD's horizon (``placement.overload``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def forecast(session: str, at: float, *probabilities: float) -> ReturnForecast:
     return ReturnForecast(session, at, DEFAULT_HORIZONS, tuple(probabilities))
 
 
-def test_the_watch_falls_back_while_the_queue_would_wait_past_dram_s_horizon() -> None:
+def test_the_watch_falls_back_while_the_queue_would_wait_past_its_threshold() -> None:
     """300 blocks started against room for 100: while one 10-block session finishes every
     10 s the 200 beyond the room drain in 200 s, and nothing changes; once finishes
     stop, the wait grows past 600 s and, held for 100 s, the watch falls back; once
