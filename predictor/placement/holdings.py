@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.kinds import TierKind
 from kvstore.predictor.placement.ranking import TierRanking
-from kvstore.store.eviction import LRUPolicy
+from kvstore.store.eviction import LRUPolicy, Occupancy
 from kvstore.store.tiered_store import TieredStore
 
 _RESIDENCE_WEIGHT = 0.01  # of each eviction in a tier's mean residence (about the last 100)
@@ -163,6 +163,14 @@ class Holdings:
     def held(self, kind: TierKind) -> int:
         """How many blocks tier ``kind`` holds."""
         return len(self._entered[kind])
+
+    def slots(self, occupancy: Occupancy, kind: TierKind) -> int:
+        """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
+        held = self.held(kind)
+        used = occupancy.used_bytes(kind)
+        if not held or not used:
+            return 1 << 30  # empty: no size to go by yet, and no one to push out
+        return int(occupancy.capacity_bytes(kind) * held / used)
 
     def residence(self, kind: TierKind) -> float | None:
         """The mean stay of the blocks pressure pushed out of ``kind`` (None: none yet)."""

@@ -98,7 +98,7 @@ from kvstore.predictor.placement.hooks import (
     session_namespace,
 )
 from kvstore.predictor.placement.overload import AdmissionWatch
-from kvstore.predictor.placement.prefetching import PlannedPrefetch, Prefetcher
+from kvstore.predictor.placement.prefetching import PlannedPrefetch, Prefetcher, cached_head
 from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank
 from kvstore.predictor.placement.thresholds import PlacementConfig
 from kvstore.store.eviction import LRUPolicy, Occupancy
@@ -275,9 +275,8 @@ class PlacementPolicy:
         self._forecast(session, forecast, now)
         session.state = state
         session.target = None
-        if self.watch.overloaded:  # placed at its first look once the engine keeps up
-            self.watch.held_back += 1
-            self._look_later(session, now)
+        if self.watch.overloaded:
+            self._hold_back(session, now)
             return None
         return self._place(store, session, now, fresh=True)
 
@@ -291,8 +290,7 @@ class PlacementPolicy:
             return
         self._forecast(session, forecast, now)
         if self.watch.overloaded:
-            self.watch.held_back += 1
-            self._look_later(session, now)
+            self._hold_back(session, now)
             return
         self._place(store, session, now, fresh=True)
 
@@ -321,7 +319,7 @@ class PlacementPolicy:
         """Re-place the idle sessions whose next look is due, unless the engine is
         overloaded (``placement.overload``): then they wait, due, until it keeps up."""
         self._now = now
-        room = self._slots(store.occupancy(), store.tier_kinds[0])
+        room = self._held.slots(store.occupancy(), store.tier_kinds[0])
         if self.watch.update(now, room):
             return
         while self._checks and self._checks[0][0] <= now:
@@ -372,6 +370,12 @@ class PlacementPolicy:
         else:
             self._look_later(session, now)
         return placed
+
+    def _hold_back(self, session: _Session, now: float) -> None:
+        """Place nothing while the engine is overloaded: the session's first look once it
+        keeps up does (``placement.overload``)."""
+        self.watch.held_back += 1
+        self._look_later(session, now)
 
     def _look_later(self, session: _Session, now: float) -> None:
         """Schedule the idle session's next look: sooner while its idle time is short."""
@@ -563,32 +567,16 @@ class PlacementPolicy:
         namespace = session_namespace(store, state)
         if namespace is None:
             return
-        # The cached head of the chain (a lookup reads no further), at most half the
-        # tier: a longer one would only push itself, and everyone else, out again. All
-        # of it goes to ``promote``, so the part already in ``to`` is protected too.
-        head: list[ChunkKey] = []
-        slower: list[tuple[ChunkKey, TierKind]] = []
-        chain = state.chain[: self._slots(store.occupancy(), to) // 2]
-        for key, fastest in zip(chain, self._held.fastest_each(chain), strict=True):
-            if fastest is None:
-                break
-            head.append(key)
-            if fastest > to:
-                slower.append((key, fastest))
+        # At most half the tier: a longer chain would only push itself, and everyone
+        # else, out again.
+        chain = state.chain[: self._held.slots(store.occupancy(), to) // 2]
+        head, slower = cached_head(chain, self._held.fastest_each(chain), to)
         if not slower:
             return
         source = min(kind for _, kind in slower)
         planned = self._decide(session, Action.PREFETCH_PLANNED, source, to, len(slower), why)
         plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now, planned)
         self._prefetcher.submit(store, plan, self._now)
-
-    def _slots(self, occupancy: Occupancy, kind: TierKind) -> int:
-        """About how many blocks tier ``kind`` holds when full (from its mean block size)."""
-        held = self._held.held(kind)
-        used = occupancy.used_bytes(kind)
-        if not held or not used:
-            return 1 << 30  # empty: no size to go by yet, and no one to push out
-        return int(occupancy.capacity_bytes(kind) * held / used)
 
     def _fits(
         self,

@@ -16,7 +16,7 @@ removal itself, on its hot path; this module only fills them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey, Namespace
@@ -89,6 +89,24 @@ class Prefetcher:
         self.stats.transfer(copies, plan.planned_at, chunk_seconds(store, plan.namespace))
         ran = dataclasses.replace(plan.decision, at=now, action=Action.PREFETCH, chunks=len(copies))
         self._decisions.record(ran)
+
+
+def cached_head(
+    chain: Sequence[ChunkKey], fastest: Iterable[TierKind | None], to: TierKind
+) -> tuple[list[ChunkKey], list[tuple[ChunkKey, TierKind]]]:
+    """The cached head of ``chain`` (up to its first key no tier holds: a lookup reads no
+    further), given the fastest tier holding each key; and the keys of it held only
+    slower than ``to``, with that tier. A prefetch promotes the whole head, so the part
+    already in ``to`` is protected too, and copies only the slower keys."""
+    head: list[ChunkKey] = []
+    slower: list[tuple[ChunkKey, TierKind]] = []
+    for key, kind in zip(chain, fastest, strict=True):
+        if kind is None:
+            break
+        head.append(key)
+        if kind > to:
+            slower.append((key, kind))
+    return head, slower
 
 
 def chunk_seconds(store: TieredStore, namespace: Namespace) -> dict[TierKind, float]:
