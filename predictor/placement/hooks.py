@@ -10,7 +10,8 @@ LRU and fixed-TTL baselines.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,57 +105,40 @@ def perfect_forecast(
     return ReturnForecast(session, at, horizons, tuple(float(gap <= h) for h in horizons))
 
 
+CopyListener = Callable[[Sequence[tuple[ChunkKey, TierKind]], float], None]
+"""Told of each prefetch's copies, (key, source tier) in order, and when they were issued."""
+
+
 @dataclass
 class PrefetchStats:
-    """Chunks promoted ahead of a lookup, what became of them, and the copies still on
-    their way.
+    """Chunks promoted ahead of a lookup and what became of them.
 
-    The store moves a promoted block at once; the hardware would not. A prefetch
-    is a copy over the link of the tier it comes from, and copies over one link
-    run one after another (``transfer`` queues them), so a chunk *arrives*
-    ``load_seconds`` after the link is free. A lookup before then finds the
-    chunk in the fast tier but must still wait for it: whoever charges the
-    request (the replay) asks ``loading(key, now)`` and charges the source tier
-    while the copy is in flight. A prefetch earns its keep only if it lands
-    before the request that reads it.
+    The store moves a promoted block at once; the hardware would not: a
+    prefetch is a copy over the link of the tier it comes from, sharing it with
+    every other read of that tier. The daemon's copies take the time they take;
+    the replay, which models time, charges them by listening (``listener``:
+    ``replay.links``). ``routes`` counts the chunks issued by (source tier,
+    destination tier), so the bytes a policy moved ahead of its reads can be
+    told apart from the ones it read on demand.
     """
 
     issued: int = 0
     used: int = 0  # read from the tier they were promoted to before leaving it
     wasted: int = 0  # left that tier unread
-    in_flight: dict[ChunkKey, tuple[float, TierKind]] = field(default_factory=dict, repr=False)
-    """Chunk -> (when its copy lands, the tier it is copied from). Owned by ``transfer``."""
-    link_free: dict[TierKind, float] = field(default_factory=dict, repr=False)
-    """Source tier -> when its link has finished the copies queued on it."""
+    routes: Counter[tuple[TierKind, TierKind]] = field(default_factory=Counter)
+    listener: CopyListener | None = field(default=None, repr=False, compare=False)
 
     @property
     def pending(self) -> int:
         return self.issued - self.used - self.wasted
 
-    def transfer(
-        self,
-        chunks: Sequence[tuple[ChunkKey, TierKind]],
-        now: float,
-        seconds: dict[TierKind, float],
-    ) -> None:
-        """Queue the copies of prefetched ``chunks`` (key, source tier) in order, each
-        taking ``seconds[source]`` on its source tier's link."""
-        for key, source in chunks:
-            start = max(now, self.link_free.get(source, now))
-            self.link_free[source] = done = start + seconds[source]
-            self.in_flight[key] = (done, source)
-        if len(self.in_flight) > 4 * _IN_FLIGHT_SWEEP:  # drop copies long landed
-            self.in_flight = {k: v for k, v in self.in_flight.items() if v[0] > now}
-
-    def loading(self, key: ChunkKey, now: float) -> TierKind | None:
-        """The tier ``key`` is still being copied from at ``now`` (None: not in flight)."""
-        entry = self.in_flight.get(key)
-        if entry is None:
-            return None
-        if entry[0] <= now:
-            del self.in_flight[key]
-            return None
-        return entry[1]
+    def copied(self, chunks: Sequence[tuple[ChunkKey, TierKind]], to: TierKind, at: float) -> None:
+        """Count the copies of prefetched ``chunks`` (key, source tier) into ``to``, issued
+        at ``at``, and tell the listener."""
+        self.issued += len(chunks)
+        self.routes.update((source, to) for _, source in chunks)
+        if self.listener is not None and chunks:
+            self.listener(chunks, at)
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -163,9 +147,6 @@ class PrefetchStats:
             "wasted": self.wasted,
             "pending": self.pending,
         }
-
-
-_IN_FLIGHT_SWEEP = 1024
 
 
 def session_namespace(store: TieredStore, state: IdleSession) -> Namespace | None:

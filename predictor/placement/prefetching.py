@@ -65,7 +65,7 @@ class Prefetcher:
             self._planned.append(plan)
             return
         store.promote(plan.namespace, list(plan.keys), to=plan.to)
-        self._landed(store, plan, now)
+        self._landed(plan, now)
 
     def take(self) -> list[PlannedPrefetch]:
         """The prefetches planned since the last call, in order. Under the store's lock,
@@ -78,15 +78,14 @@ class Prefetcher:
         count what landed), so the read from the slower tier holds up nobody."""
         store.promote(plan.namespace, list(plan.keys), to=plan.to)
         with store.locked():
-            self._landed(store, plan, now)
+            self._landed(plan, now)
 
-    def _landed(self, store: TieredStore, plan: PlannedPrefetch, now: float) -> None:
+    def _landed(self, plan: PlannedPrefetch, now: float) -> None:
         """Count the chunks of ``plan`` that arrived in its tier as issued prefetches."""
         held = self._held(plan.to)
         copies = [(key, source) for key, source in plan.sources if key in held]
         self.unread[plan.to].update(key for key, _ in copies)
-        self.stats.issued += len(copies)
-        self.stats.transfer(copies, plan.planned_at, chunk_seconds(store, plan.namespace))
+        self.stats.copied(copies, plan.to, plan.planned_at)
         ran = dataclasses.replace(plan.decision, at=now, action=Action.PREFETCH, chunks=len(copies))
         self._decisions.record(ran)
 
@@ -108,10 +107,3 @@ def cached_head(
             slower.append((key, kind))
     return head, slower
 
-
-def chunk_seconds(store: TieredStore, namespace: Namespace) -> dict[TierKind, float]:
-    """How long one chunk of ``namespace`` takes to load from each tier (``CostModel``)."""
-    costs = store.config.costs
-    layout = namespace.layout
-    per_token = costs.kv_bytes_per_token or layout.chunk_nbytes / layout.chunk_tokens
-    return {kind: costs.load_seconds(kind, layout.chunk_tokens, per_token) for kind in TierKind}

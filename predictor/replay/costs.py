@@ -4,7 +4,9 @@ The store moves real but tiny stand-in payloads (two bytes per token), so
 nothing here is measured: every cost is modeled from ``kvstore.store.config.CostModel``
 (tier reload bandwidths, prefill rate) at the real model's KV size::
 
-    load_s      = sum over loaded chunks of chunk_tokens * kv_bytes_per_token / bandwidth(tier)
+    a chunk's copy = chunk_tokens * kv_bytes_per_token / bandwidth(tier)
+    load_s      = the loaded chunks' copies, one after another, each also waiting
+                  for the copies ahead of it on its tier's link (``replay.links``)
     recompute_s = recomputed_tokens / recompute_tokens_per_s
     TTFT        = load_s + recompute_s          (loads and prefill do not overlap)
     GPU-seconds = the sum of TTFTs: the GPU waits for loads and computes the rest
@@ -88,18 +90,6 @@ def stand_in_capacity(kind: TierKind, slots: int, layout: KVLayout) -> int:
     return slots * block
 
 
-@dataclass(frozen=True)
-class RequestCost:
-    """Modeled cost of one request's prefill."""
-
-    load_s: float
-    recompute_s: float
-
-    @property
-    def ttft_s(self) -> float:
-        return self.load_s + self.recompute_s
-
-
 class CostMeter:
     """``CostModel`` at a fixed chunk size and KV size: the cost of each request."""
 
@@ -119,11 +109,8 @@ class CostMeter:
         """Loading one chunk from tier ``kind``."""
         return self._chunk_load_s[kind]
 
-    def request(self, loaded: Sequence[TierKind], recomputed_tokens: int) -> RequestCost:
-        return RequestCost(
-            load_s=sum(self._chunk_load_s[kind] for kind in loaded),
-            recompute_s=self.costs.recompute_seconds(recomputed_tokens),
-        )
+    def recompute_seconds(self, tokens: int) -> float:
+        return self.costs.recompute_seconds(tokens)
 
     @property
     def chunk_bytes(self) -> int:

@@ -9,7 +9,8 @@ The JSON (``kvstore replay --json``)::
                          "hit_rate_by_tier": {"hbm": ..}, "hbm_gb_hours_idle",
                          "load_seconds_by_turn": {"human": {"ssd": ..}, "tool": {..}},
                          "bytes_moved": {"dram": {"read", "written"}, ..},
-                         "prefetches_used", "prefetches_wasted",
+                         "link_wait_seconds", "prefetches_used", "prefetches_wasted",
+                         "prefetch_bytes": {"ssd->dram": .., "wasted": ..},
                          "auc": {"60": ..}, "brier": {..}, "auc_human": {..},
                          "brier_human": {..}, ...}},
      "baselines": {"prev_gap": {"auc_human", "brier_human"},
@@ -75,6 +76,7 @@ def policy_summary(result: PolicyResult) -> dict[str, Any]:
         "recomputed_tokens": result.recomputed_tokens,
         "gpu_seconds": result.gpu_seconds,
         "load_seconds": result.load_seconds,
+        "link_wait_seconds": result.link_wait_seconds,
         "load_seconds_by_turn": {
             turn: {kind.label: seconds for kind, seconds in sorted(by_tier.items())}
             for turn, by_tier in sorted(result.load_seconds_by_turn.items())
@@ -96,6 +98,7 @@ def policy_summary(result: PolicyResult) -> dict[str, Any]:
         "prefetches": result.prefetches.to_dict(),
         "prefetches_used": result.prefetches.used,
         "prefetches_wasted": result.prefetches.wasted,
+        "prefetch_bytes": result.prefetch_bytes,
         "demoted_at_idle": result.demoted_at_idle,
         "overload": result.overload,
         "tiers": result.tier_counters,
@@ -243,6 +246,7 @@ def format_table(report: dict[str, Any]) -> str:
         "w/o queue",
         "p99 tool",
         "HBM GB-h idle",
+        "link wait-s",
         "prefetch used/wasted",
         *[f"AUC {h}s" for h in horizons],
     ]
@@ -266,6 +270,7 @@ def format_table(report: dict[str, Any]) -> str:
                 num(p["service_p99_human"], 3),
                 num(p["ttft_p99_tool"], 3),
                 num(p["hbm_gb_hours_idle"], 2),
+                num(p.get("link_wait_seconds")),
                 f"{p['prefetches_used']}/{p['prefetches_wasted']}",
                 *[num(p["auc"].get(h), 3) if p["auc"] else "-" for h in horizons],
             ]

@@ -37,7 +37,11 @@ class PolicyResult:
     load_seconds: float = 0.0
     load_seconds_by_turn: dict[str, dict[TierKind, float]] = field(default_factory=dict)
     """``load_seconds`` by who ended the idle time ("human", "tool") and the source tier:
-    where the GPU-seconds placement can still save are."""
+    where the GPU-seconds placement can still save are. A load's waits on the links
+    are shared among its tiers as its chunks' own copy times are."""
+    link_wait_seconds: float = 0.0
+    """The part of ``load_seconds`` spent waiting behind other copies on a tier's link
+    (other requests' loads, prefetches and promotions: ``replay.links``)."""
     writeback_seconds: float = 0.0
     queue_seconds: float = 0.0
     admission_wait_seconds: float = 0.0
@@ -50,6 +54,9 @@ class PolicyResult:
     what placement decides (TTFT adds the waits, which bursts and admission set)."""
     hbm_byte_seconds_idle: float = 0.0
     prefetches: PrefetchStats = field(default_factory=PrefetchStats)
+    prefetch_bytes: dict[str, float] = field(default_factory=dict)
+    """Modeled bytes the policy's prefetches and promotions copied, by route
+    (``"ssd->dram"``); ``"wasted"``: those of chunks that left unread."""
     demoted_at_idle: int = 0
     overload: dict[str, float] | None = None
     """The placement policy's fallback to LRU (``placement.overload``): how often, how long,

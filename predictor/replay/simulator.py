@@ -29,10 +29,12 @@ modeled: payload bytes (tiny stand-ins, ``costs.stand_in_layout``), time, and
 every cost (``engine``, ``costs``). Trace block ids are grouped into chunks of
 ``chunk_blocks`` blocks, each keyed by its whole prefix.
 
-Prefetches take time. A chunk whose prefetch copy has not landed when the
-request is admitted (``PrefetchStats.loading``: copies queue per source tier
-and each takes its modeled load time) is charged from the tier it is being
-copied from, so only a prefetch made ahead of the return hides a load.
+Copies take time and share their tier's link (``replay.links``): a policy's
+prefetches and promotions and every request's demand load queue on the link of
+the tier they read, in the order issued. A request waits for a chunk whose
+prefetch has not landed, and behind the copies ahead of its own, so only a
+prefetch made ahead of the return hides a load, and every prefetch, used or
+wasted, holds up the demand loads behind it.
 
 ``oracle`` is ``PlacementPolicy`` fed ``policy.perfect_forecast`` with the
 session's true next arrival instead of the model's forecast; ``oracle:AUC``
@@ -75,6 +77,7 @@ from kvstore.predictor.replay.costs import (
     stand_in_layout,
 )
 from kvstore.predictor.replay.engine import Admission, PrefillQueue, RequestCost, StartReported
+from kvstore.predictor.replay.links import Links, Load
 from kvstore.predictor.replay.oracle import BlurredOracle, base_rates
 from kvstore.predictor.replay.policies import (
     PolicyKind,
@@ -222,6 +225,11 @@ class _Run:
         store.register(self.namespace)
         self.chains = ChunkChains(self.namespace, config.chunk_blocks)
         self.meter = CostMeter(config.costs, chunk_tokens, config.kv_bytes_per_token)
+        self.links = Links(
+            {kind: self.meter.chunk_load_seconds(kind) for kind in TierKind},
+            {TierKind.DRAM: config.engine.gpus},
+        )
+        policy.prefetches.listener = self.links.prefetch
         self.horizons = horizons_for(workload, config)
         self.learner = (
             _learner(config, self.horizons) if spec.kind is PolicyKind.PREDICTOR else None
@@ -370,12 +378,6 @@ class _Run:
         prefix = self.store.lookup(self.namespace, keys)
         wanted = prefix.load_chunks if prefix.load_chunks is not None else prefix.num_chunks
         loaded = self._load(prefix.keys[:wanted], prefix.tiers[:wanted])
-        # A prefetched chunk still on its way is charged from the tier it is copied from.
-        prefetches = self.policy.prefetches
-        tiers = [
-            prefetches.loading(key, now) or kind
-            for key, kind in zip(prefix.keys[:loaded], prefix.tiers[:loaded], strict=True)
-        ]
         self.store.put(
             self.namespace,
             keys,
@@ -385,20 +387,21 @@ class _Run:
         self.store.pin(self.namespace, keys)
         hit = min(loaded * prefix.chunk_tokens, call.prompt_tokens)
         recomputed = call.prompt_tokens - hit
-        priced = self.meter.request(tiers, recomputed)
+        recompute_s = self.meter.recompute_seconds(recomputed)
         writeback = self._writeback_seconds(written)
-        ready = now + writeback + priced.load_s
+        load = self.links.load(prefix.keys[:loaded], prefix.tiers[:loaded], now + writeback)
+        ready = now + writeback + load.seconds
         cost = RequestCost(
             arrival=request.arrival,
             admitted=now,
-            prefill_start=self.gpu.start(ready, priced.recompute_s),
+            prefill_start=self.gpu.start(ready, recompute_s),
             writeback_s=writeback,
-            load_s=priced.load_s,
-            recompute_s=priced.recompute_s,
+            load_s=load.seconds,
+            recompute_s=recompute_s,
         )
         request.hit_tokens, request.recomputed_tokens = hit, recomputed
         end = cost.first_token + call.api_s
-        self._count(request, cost, tiers, end)
+        self._count(request, cost, load, end)
         self._at(end, _Order.FINISH, lambda later: self._finish(request, later))
 
     def _load(self, keys: Sequence[ChunkKey], tiers: Sequence[TierKind]) -> int:
@@ -424,7 +427,7 @@ class _Run:
         return seconds
 
     def _count(
-        self, request: _Request, cost: RequestCost, tiers: list[TierKind], end: float
+        self, request: _Request, cost: RequestCost, load: Load, end: float
     ) -> None:
         if request.arrival < self.config.score_from:
             return
@@ -440,11 +443,14 @@ class _Run:
         result.recomputed_tokens += request.recomputed_tokens
         human = request.call.trigger is Trigger.USER
         by_tier = result.load_seconds_by_turn.setdefault("human" if human else "tool", {})
-        for kind in tiers:
+        # The load's time, waits on the links included, shared by its chunks' own copy times.
+        share = load.seconds / load.nominal_s if load.nominal_s else 0.0
+        for kind in load.tiers:
             result.hit_tokens_by_tier[kind] = result.hit_tokens_by_tier.get(kind, 0) + chunk_tokens
-            by_tier[kind] = by_tier.get(kind, 0.0) + self.meter.chunk_load_seconds(kind)
+            by_tier[kind] = by_tier.get(kind, 0.0) + share * self.meter.chunk_load_seconds(kind)
         result.gpu_seconds += cost.gpu_s
         result.load_seconds += cost.load_s
+        result.link_wait_seconds += load.waited_s
         result.writeback_seconds += cost.writeback_s
         result.queue_seconds += cost.queue_s
         result.admission_wait_seconds += cost.admission_wait_s
@@ -518,6 +524,11 @@ class _Run:
     def _close(self) -> None:
         result = self.result
         result.prefetches = self.policy.prefetches
+        result.prefetches.listener = None  # the run's links are not part of its result
+        chunk = self.meter.chunk_bytes
+        routes = sorted(result.prefetches.routes.items())
+        result.prefetch_bytes = {f"{a.label}->{b.label}": n * chunk for (a, b), n in routes}
+        result.prefetch_bytes["wasted"] = result.prefetches.wasted * chunk
         if isinstance(self.policy, PlacementPolicy):
             result.demoted_at_idle = self.policy.demoted
             result.overload = self.policy.watch.to_dict()

@@ -261,7 +261,7 @@ def test_perfect_forecast_is_a_perfect_classifier_at_the_horizons() -> None:
     assert never.probabilities == (0.0, 0.0, 0.0)
 
 
-def test_a_prefetch_lands_only_after_its_copies_queue_on_the_source_link(
+def test_a_prefetch_names_its_copies_in_order_with_their_source_and_route(
     three_tiers: Sessions,
 ) -> None:
     run = three_tiers
@@ -269,28 +269,23 @@ def test_a_prefetch_lands_only_after_its_copies_queue_on_the_source_link(
     state = run.request("a", 0, 3, now=0.0)
     run.policy.on_idle(run.store, state, forecast("a", 1.0, 0.05, 0.2, 0.4), 1.0)
     assert run.where(0, 3) == [DRAM] * 3
-    costs = run.store.config.costs
-    layout = run.ns.layout
-    one = costs.load_seconds(DRAM, layout.chunk_tokens, layout.chunk_nbytes / layout.chunk_tokens)
+    heard: list[tuple[list[tuple[object, TierKind]], float]] = []
+    run.policy.prefetches.listener = lambda copies, at: heard.append((list(copies), at))
     run.policy.on_resume(run.store, state, 500.0)
-    assert run.where(0, 3) == [HBM] * 3  # the store moved them at once ...
-    prefetches = run.policy.prefetches
-    keys = run.keys(0, 3)
-    # ... but the copies run one after another over DRAM's link: chunk i lands at (i+1) * one.
-    for i, key in enumerate(keys):
-        assert prefetches.loading(key, 500.0 + (i + 0.5) * one) is DRAM
-        assert prefetches.loading(key, 500.0 + (i + 1) * one) is None
-    assert prefetches.loading(keys[0], 500.0) is None  # landed: forgotten
+    assert run.where(0, 3) == [HBM] * 3  # the store moved them at once; the replay times them
+    assert heard == [([(key, DRAM) for key in run.keys(0, 3)], 500.0)]
+    assert run.policy.prefetches.routes == {(DRAM, HBM): 3}
+    assert run.policy.prefetches.issued == 3
 
 
-def test_prefetch_copies_from_two_tiers_do_not_wait_for_each_other() -> None:
+def test_prefetch_stats_count_routes_without_a_listener() -> None:
     stats = PrefetchStats()
     a, b, c = external_keys(kv.namespace(), [b"a", b"b", b"c"])
-    stats.transfer([(a, SSD), (b, SSD)], 10.0, {SSD: 2.0, DRAM: 0.5})
-    stats.transfer([(c, DRAM)], 10.0, {SSD: 2.0, DRAM: 0.5})
-    assert stats.in_flight == {a: (12.0, SSD), b: (14.0, SSD), c: (10.5, DRAM)}
-    stats.transfer([(a, SSD)], 13.0, {SSD: 2.0})  # the SSD link is busy until 14
-    assert stats.in_flight[a] == (16.0, SSD)
+    stats.copied([(a, SSD), (b, SSD)], DRAM, 10.0)
+    stats.copied([(c, DRAM)], HBM, 11.0)
+    stats.copied([], HBM, 12.0)
+    assert stats.routes == {(SSD, DRAM): 2, (DRAM, HBM): 1}
+    assert stats.to_dict() == {"issued": 3, "used": 0, "wasted": 0, "pending": 3}
 
 
 def test_a_forecast_made_again_re_places_the_idle_chain(three_tiers: Sessions) -> None:

@@ -324,3 +324,29 @@ def test_the_engine_reports_a_start_at_arrival_or_at_admission(
     assert policy.resumed[first.session] == 0.0
     expected = 0.0 if started is StartReported.ARRIVAL else second.cost.admitted
     assert policy.resumed[second.session] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_loads_from_dram_share_its_link_one_lane_a_gpu(gpus: int) -> None:
+    """a and b (4 chunks each) are pushed to DRAM by c (8), then both come back at once:
+    each makes room (4 of c's chunks written back on its own clock) and loads its 4.
+    With one GPU they share DRAM's one link, so b's load waits behind a's."""
+    scripts = {
+        "a": Script("a", "a", (call("a", 4, human=True), call("a", 4, human=True)), (0.0, 200.0)),
+        "b": Script("b", "b", (call("b", 4, human=True), call("b", 4, human=True)), (0.0, 200.0)),
+        "c": Script("c", "c", (call("c", 8, human=True),), (100.0,)),
+    }
+    lanes = tuple(Lane(name, 0.0, (script,)) for name, script in scripts.items())
+    result = run(
+        Workload("hand-built", BLOCK, lanes), hbm_chunks=8, engine=EngineModel(gpus=gpus)
+    )
+    a, b = sorted((c for c in result.calls if c.cost.arrival == 200.0), key=lambda c: c.session)
+    chunk = BLOCK * KV / CostModel().bytes_per_s(TierKind.DRAM)
+    assert a.session == "a" and a.hit_tokens == b.hit_tokens == 4 * BLOCK
+    assert a.cost.writeback_s == pytest.approx(4 * chunk)
+    assert b.cost.writeback_s == pytest.approx(4 * chunk)
+    assert a.cost.load_s == pytest.approx(4 * chunk)
+    waited = 4 * chunk if gpus == 1 else 0.0  # a's copies end when b's could begin
+    assert b.cost.load_s == pytest.approx(4 * chunk + waited)
+    assert result.link_wait_seconds == pytest.approx(waited)
+    assert result.hit_tokens_by_tier[TierKind.DRAM] == 8 * BLOCK
