@@ -158,6 +158,28 @@ class BlockIndex:
                 offered[meta.parent] = offered.get(meta.parent, 0) + 1
             yield key
 
+    def extended(self, kind: TierKind, keys: Iterable[ChunkKey]) -> set[ChunkKey]:
+        """The blocks of ``keys`` held in ``kind`` that a block held there extends, other
+        than those of ``keys`` that are free to go themselves: the prefixes a move of
+        ``keys`` out of ``kind`` must leave behind, whatever order ``keys`` come in."""
+        entries, children = self._entries, self._children[kind]
+        batch = {key for key in keys if self.holds(kind, key)}
+        going: dict[ChunkKey, int] = {}  # children of each block that are in the batch
+        for key in batch:
+            parent = entries[key].parent
+            if parent is not None:
+                going[parent] = going.get(parent, 0) + 1
+        kept: set[ChunkKey] = set()
+        for key in batch:
+            while key in batch and key not in kept and children.get(key, 0) > going.get(key, 0):
+                kept.add(key)  # and its whole prefix in the batch: it stays with it
+                parent = entries[key].parent
+                if parent is None:
+                    break
+                going[parent] -= 1
+                key = parent
+        return kept
+
     def holds(self, kind: TierKind, key: ChunkKey) -> bool:
         meta = self._entries.get(key)
         return meta is not None and kind in meta.sizes

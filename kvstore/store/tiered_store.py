@@ -207,7 +207,12 @@ class TieredStore(Closing):
     # -- explicit movement ------------------------------------------------
 
     def demote(
-        self, namespace: Namespace, keys: Sequence[ChunkKey], to: TierKind | None = None
+        self,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        to: TierKind | None = None,
+        *,
+        leaves_only: bool = False,
     ) -> int:
         """Move each unpinned key out of its fastest tier one level down (write-back).
         Returns how many moved; a key held only by the last tier is dropped, and one
@@ -217,15 +222,26 @@ class TieredStore(Closing):
         it back into ``to`` (or the first configured tier below it) unless a copy
         is already held there; a key already no faster than ``to`` does not
         count. A ``to`` below every configured tier drops the keys.
+
+        ``leaves_only``: a key that a block not among ``keys`` extends in a tier it
+        would leave stays (``BlockIndex.extended``), as eviction leaves it for a
+        policy that asks: a session's chain moves, the prefix another chain in that
+        tier extends (a shared system prompt) stays with that chain.
         """
         placement = self._state.placement
         target = None if to is None else next((k for k in placement.order if k >= to), None)
         moved = 0
         with self._state.lock:
             self._core.check_open()
+            index = self._state.index
+            kept: set[ChunkKey] = set()
+            if leaves_only:
+                for kind in placement.order:
+                    if target is None or kind < target:  # a tier the keys would leave
+                        kept |= index.extended(kind, keys)
             for key in keys:
-                meta = self._state.index.get(key)
-                if meta is None or meta.namespace != namespace.digest or meta.pins:
+                meta = index.get(key)
+                if meta is None or meta.namespace != namespace.digest or meta.pins or key in kept:
                     continue
                 fastest = meta.fastest
                 assert fastest is not None, "an indexed block is held somewhere"

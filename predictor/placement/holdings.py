@@ -124,7 +124,8 @@ class Holdings:
 
     def demote(self, store: TieredStore, namespace: Namespace, session: str, to: TierKind) -> int:
         """Move the blocks ``session`` owns out of every tier faster than ``to``; how many
-        moved."""
+        moved. A block it owns that another chain held there extends stays: a session
+        that touched a shared prefix last does not take it down with its own chain."""
         owned: dict[ChunkKey, None] = {}
         for kind in self.tiers:
             if kind < to:
@@ -132,7 +133,7 @@ class Holdings:
         if not owned:
             return 0
         with self.moving(owned):
-            return store.demote(namespace, list(owned), to=to)
+            return store.demote(namespace, list(owned), to=to, leaves_only=True)
 
     def write_down(
         self, store: TieredStore, namespace: Namespace, session: str, held: TierKind, to: TierKind

@@ -62,8 +62,11 @@ touched it last. Blocks of running sessions rank last; blocks no session touched
 first, LRU. Who owns what, where, in which order, and how long
 blocks stay in each tier is kept by ``placement.holdings``; this module ranks.
 
-Ownership, not membership, decides what a session's idle placement moves, so
-one session going idle does not demote a prefix the others keep using.
+Ownership, not membership, decides what a session's idle placement moves, and
+it moves leaves only (``TieredStore.demote(leaves_only=True)``): the session
+that touched a shared prefix last owns it, but going idle it takes down only
+what no other chain in the tier extends, so a system prompt stays fast while
+any session's chain built on it does.
 
 Overload. While the chains of the sessions started and not finished overflow the
 fastest tier by more than the engine drains within SSD's horizon

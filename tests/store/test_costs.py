@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support import kv
 
@@ -122,3 +123,27 @@ def test_demote_to_skips_pinned_and_drops_below_the_last_tier(three_level: Tiere
     store.unpin(ns, keys[:1])
     assert store.demote(ns, keys, to=REDIS) == 2  # no Redis configured: dropped
     assert store.locate(ns, keys) == [None, None]
+
+
+def test_demote_leaves_only_keeps_the_prefix_another_chain_extends(
+    three_level: TieredStore,
+) -> None:
+    store = three_level
+    ns = kv.namespace()
+    prefix = kv.tokens(2)
+    a = np.concatenate([prefix, kv.tokens(1, start=1000)])
+    b = np.concatenate([prefix, kv.tokens(1, start=2000)])
+    store.put(ns, a, kv.chunks(3), session="a")
+    store.put(ns, b, kv.chunks(3), session="b")
+    a_keys, b_keys = store.keys_for(ns, a), store.keys_for(ns, b)
+    # a's chain goes to SSD; the prefix stays where b's chain still extends it.
+    assert store.demote(ns, a_keys, to=SSD, leaves_only=True) == 1
+    assert store.locate(ns, a_keys) == [HBM, HBM, SSD]
+    assert store.locate(ns, b_keys) == [HBM] * 3
+    # Once b's own block has gone down, the prefix is nobody else's and follows.
+    assert store.demote(ns, b_keys[2:], to=DRAM, leaves_only=True) == 1
+    assert store.demote(ns, a_keys, to=SSD, leaves_only=True) == 2
+    assert store.locate(ns, a_keys) == [SSD] * 3
+    # Without leaves_only, a move takes what it is given.
+    store.promote(ns, b_keys, to=HBM)
+    assert store.demote(ns, b_keys[:2], to=DRAM) == 2

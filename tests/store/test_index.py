@@ -177,6 +177,20 @@ def test_only_leaves_are_offered_and_a_walk_can_free_a_whole_chain() -> None:
     assert list(index.leaves(HBM, [D])) == [D]
 
 
+def test_extended_names_the_prefix_a_chain_outside_the_move_still_extends() -> None:
+    index = _tree(HBM)
+    # Moving a's chain with the prefix it shares: the prefix stays with b1, in any order.
+    assert index.extended(HBM, [ROOT, SHARED, A1, A2]) == {ROOT, SHARED}
+    assert index.extended(HBM, [A2, ROOT, A1, SHARED]) == {ROOT, SHARED}
+    # Both chains moving: nothing stays. A key not held there is not named.
+    assert index.extended(HBM, [ROOT, SHARED, A1, A2, B1]) == set()
+    assert index.extended(DRAM, [ROOT, SHARED, A1]) == set()
+    # Part of a chain: its tail, outside the move, keeps the rest of it.
+    assert index.extended(HBM, [ROOT, SHARED, A1]) == {ROOT, SHARED, A1}
+    index.drop(HBM, B1)  # b's chain went down: the prefix is a's alone
+    assert index.extended(HBM, [ROOT, SHARED, A1, A2]) == set()
+
+
 def test_children_are_counted_per_tier_as_blocks_enter_and_leave() -> None:
     index = _tree(HBM)
     index.drop(HBM, A2)

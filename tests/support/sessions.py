@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.kinds import TierKind
 from kvstore.predictor.learning.sessions import SessionState, SessionTracker
@@ -46,16 +48,19 @@ class Sessions:
         trigger: Trigger = Trigger.USER,
         tool_running: bool = False,
         named: bool = True,
+        shared: int = 0,
     ) -> SessionState:
         """One request of ``session`` whose prompt is ``n_chunks`` chunks from ``tokens_start``,
         finished a second later (``tool_running``: it ended asking for a tool). Not
-        ``named``, its put names no session, as vLLM's workers' puts."""
-        tokens = kv.tokens(n_chunks, start=tokens_start)
+        ``named``, its put names no session, as vLLM's workers' puts. ``shared``: the
+        prompt begins with that many chunks every session shares (``shared_keys``)."""
+        tokens = np.concatenate([kv.tokens(shared), kv.tokens(n_chunks, start=tokens_start)])
         keys = self.store.keys_for(self.ns, tokens)
         started = RequestStarted(session, trigger, len(tokens), 0, now)
         state, _ = self.tracker.started(started, keys, self.ns.digest)
         self.policy.on_resume(self.store, state, now)
-        self.store.put(self.ns, tokens, kv.chunks(n_chunks), session=session if named else None)
+        chunks = kv.chunks(shared + n_chunks)
+        self.store.put(self.ns, tokens, chunks, session=session if named else None)
         finished = RequestFinished(session, 1, 8, len(tokens), tool_running, 0, 0, now + 1)
         return self.tracker.finished(finished, keys, self.ns.digest)
 
@@ -67,6 +72,10 @@ class Sessions:
         state, _ = self.tracker.started(started, keys, self.ns.digest)
         self.policy.on_resume(self.store, state, now)
         return state
+
+    def shared_keys(self, n_chunks: int) -> list[ChunkKey]:
+        """The keys of a prefix of ``n_chunks`` every session shares (``request(shared=)``)."""
+        return self.keys(0, n_chunks)
 
     def busy(self, n_chunks: int) -> None:
         """A request that keeps running (no ``on_idle``) and holds ``n_chunks`` of HBM."""

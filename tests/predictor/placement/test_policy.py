@@ -288,6 +288,26 @@ def test_prefetch_stats_count_routes_without_a_listener() -> None:
     assert stats.to_dict() == {"issued": 3, "used": 0, "wasted": 0, "pending": 3}
 
 
+def test_the_last_session_to_touch_a_shared_prefix_does_not_take_it_down(
+    three_tiers: Sessions,
+) -> None:
+    """a touched the shared prefix last, so owns it; it goes idle unlikely back while b,
+    likely back, still holds the chain extending the prefix in HBM. a's own block goes;
+    the prefix stays with b's."""
+    run = three_tiers
+    b = run.request("b", 1000, 1, now=0.0, shared=2)
+    run.policy.on_idle(run.store, b, forecast("b", 1.0, 0.9, 0.95, 0.99), 1.0)
+    a = run.request("a", 2000, 1, now=5.0, shared=2)
+    run.policy.on_idle(run.store, a, forecast("a", 6.0, 0.01, 0.02, 0.05), 6.0)
+    assert run.policy.owned("a")[HBM] == 3  # the prefix is a's: it touched it last
+    run.busy(5)  # one of the four idle blocks must go: a's own
+    run.policy.tick(run.store, 20.0)
+    prefix = run.shared_keys(2)
+    assert run.store.locate(run.ns, prefix) == [HBM, HBM]
+    assert run.store.locate(run.ns, b.chain) == [HBM] * 3
+    assert run.store.locate(run.ns, a.chain[2:]) == [DRAM]
+
+
 def test_a_forecast_made_again_re_places_the_idle_chain(three_tiers: Sessions) -> None:
     run = three_tiers
     run.busy(5)
