@@ -20,7 +20,10 @@ different stories.
 
 The figure is the ratio: a policy that costs more than LRU (above 1.00x) in any
 scenario is what a default policy cannot afford. Prefetches issued and
-wasted come with each row. ``--quick`` is a few minutes of agents on one GPU.
+wasted, the bytes wasted and the time demand loads waited behind other copies on
+the tiers' links (``replay.links``) come with each row. ``--plot PNG`` draws the
+ratios; ``--replot REPORT... --plot PNG`` draws them from saved ``--json``
+reports. ``--quick`` is a few minutes of agents on one GPU.
 """
 
 from __future__ import annotations
@@ -98,8 +101,10 @@ def rows(report: dict[str, Any]) -> dict[str, dict[str, float]]:
             "best_baseline": best,
             "ttft_p50": result["ttft_p50"],
             "load_seconds": result["load_seconds"],
+            "link_wait_seconds": result.get("link_wait_seconds", 0.0),
             "prefetches_issued": prefetches.get("issued", 0),
             "prefetches_wasted": prefetches.get("wasted", 0),
+            "prefetch_bytes": result.get("prefetch_bytes", {}),
             "overload": result.get("overload"),  # the placement policy's fallback to LRU
         }
     return figures
@@ -123,7 +128,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="arrival",
         help="when the engine reports a request's start (kvstore replay --started-at)",
     )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help="draw each scenario's GPU-seconds against LRU's into this PNG",
+    )
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        nargs="+",
+        help="replay nothing: draw --plot from these reports (this command's --json)",
+    )
     args = parser.parse_args(argv)
+    if args.replot:
+        if args.plot is None:
+            parser.error("--replot needs --plot")
+        saved: dict[str, Any] = {}
+        for path in args.replot:
+            saved.update(json.loads(path.read_text())["scenarios"])
+        plot(saved, args.plot)
+        return 0
     policies = (
         args.policy.split(",") if args.policy else list(QUICK_POLICIES if args.quick else POLICIES)
     )
@@ -153,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             flags += [*scenario.flags, "--seed", str(args.seed), "--started-at", args.started_at]
             results[scenario.name] = rows(replay(paths, flags, policies))
     report = {"policies": policies, "started_at": args.started_at, "scenarios": results}
+    if args.plot is not None:
+        plot(results, args.plot)
     if args.json:
         emit_json(report)
     else:
@@ -160,10 +186,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Grouped bars: per scenario, each policy's GPU-seconds as a multiple of LRU's, with
+    LRU's line at 1: a bar above it is a regime where the policy costs more than LRU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(results)
+    policies = list(dict.fromkeys(name for figures in results.values() for name in figures))
+    width = 0.8 / len(policies)
+    figure, axis = plt.subplots(figsize=(2.2 * len(scenarios) + 2.5, 4))
+    for i, policy in enumerate(policies):
+        xs = [j + (i - (len(policies) - 1) / 2) * width for j in range(len(scenarios))]
+        ratios = [results[name].get(policy, {}).get("vs_lru", float("nan")) for name in scenarios]
+        bars = axis.bar(xs, ratios, width, label=policy)
+        axis.bar_label(bars, fmt="%.2f", fontsize=7)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks(range(len(scenarios)), scenarios)
+    axis.set_ylabel("GPU-seconds / LRU's")
+    axis.set_title("under overload and beside it (bench/overload.py)")
+    axis.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def print_tables(results: dict[str, Any]) -> None:
     headers = [
-        "policy", "GPU-s", "x LRU", "x best baseline", "TTFT p50 s", "prefetches", "wasted",
-        "as LRU",
+        "policy", "GPU-s", "x LRU", "x best baseline", "TTFT p50 s", "link wait s",
+        "prefetches", "wasted", "wasted TB", "as LRU",
     ]  # fmt: skip
     for name, figures in results.items():
         print(f"\n{name}")
@@ -174,8 +228,10 @@ def print_tables(results: dict[str, Any]) -> None:
                 f"{row['vs_lru']:.3f}",
                 f"{row['vs_best_baseline']:.3f} ({row['best_baseline']})",
                 f"{row['ttft_p50']:.3g}",
+                f"{row['link_wait_seconds']:,.0f}",
                 row["prefetches_issued"],
                 row["prefetches_wasted"],
+                f"{row['prefetch_bytes'].get('wasted', 0) / 1e12:.1f}",
                 fallen_back(row.get("overload")),
             ]
             for policy, row in figures.items()

@@ -74,5 +74,24 @@ def test_the_overload_benchmark_compares_every_policy_with_lru_in_the_same_run(
         assert row["gpu_seconds"] > 0 and row["ttft_p50"] > 0
         assert 0 <= row["prefetches_wasted"] <= row["prefetches_issued"]
     assert figures["lru"]["prefetches_issued"] == 0  # LRU never prefetches
+    assert figures["lru"]["prefetch_bytes"] == {"wasted": 0}
+    issued = figures["predictor"]["prefetch_bytes"]
+    chunk = 1024 * 131072  # the replay's chunk of Llama-3.1-8B KV
+    routes = sum(n for route, n in issued.items() if route != "wasted")
+    assert routes == figures["predictor"]["prefetches_issued"] * chunk
+    assert all(row["link_wait_seconds"] >= 0 for row in figures.values())
     assert figures["lru"]["overload"] is None  # a baseline has no fallback to count
     assert set(figures["predictor"]["overload"]) == {"entered", "overloaded_s", "held_back"}
+
+
+def test_the_plot_is_drawn_from_saved_reports(tmp_path: Path) -> None:
+    def report(scenario: str, predictor: float) -> Path:
+        rows = {"lru": {"vs_lru": 1.0}, "predictor": {"vs_lru": predictor}}
+        path = tmp_path / f"{scenario}.json"
+        path.write_text(json.dumps({"scenarios": {scenario: rows}}))
+        return path
+
+    png = tmp_path / "img" / "overload.png"
+    saved = [str(report("agents-1gpu", 1.01)), str(report("conversations", 0.7))]
+    assert overload.main(["--replot", *saved, "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
