@@ -23,6 +23,11 @@ fallback at DRAM's horizon cost the predictor 37% more GPU-seconds. A daemon
 behind vLLM, which reports a start at admission, counts only running requests,
 and so falls back only if they alone overflow the tier and finish too slowly to
 drain it.
+
+The same wait guards every prefetch, fallen back or not: a chain brought into a
+tier whose blocks stay there a shorter time than its request will wait for
+admission is pushed out unread, and its copy takes the tier's link from the
+loads of the requests admitted meanwhile, so none is made (``late``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class AdmissionWatch:
     entered: int = 0  # times it fell back to LRU
     overloaded_s: float = 0.0  # time spent fallen back
     held_back: int = 0  # placements and prefetches not made while fallen back
+    late: int = 0  # prefetches not made because admission would come after they left
     _started: dict[str, int] = field(default_factory=dict)  # session -> its chain's blocks
     _blocks: int = 0
     _drained: int = 0  # blocks of the sessions finished since the last update
@@ -115,4 +121,5 @@ class AdmissionWatch:
             "entered": self.entered,
             "overloaded_s": self.overloaded_s,
             "held_back": self.held_back,
+            "late": self.late,
         }

@@ -576,10 +576,21 @@ class PlacementPolicy:
         head, slower = cached_head(chain, self._held.fastest_each(chain), to)
         if not slower:
             return
+        if not self._read_in_time(store, to):
+            self.watch.late += 1
+            return
         source = min(kind for _, kind in slower)
         planned = self._decide(session, Action.PREFETCH_PLANNED, source, to, len(slower), why)
         plan = PlannedPrefetch(namespace, tuple(head), to, tuple(slower), self._now, planned)
         self._prefetcher.submit(store, plan, self._now)
+
+    def _read_in_time(self, store: TieredStore, to: TierKind) -> bool:
+        """Whether a chain brought into ``to`` now would still be there when its request is
+        admitted: not while admission would keep it waiting longer than a block stays in
+        ``to`` (``AdmissionWatch.wait_s``). Such a copy is pushed out unread, and takes its
+        link from the loads of requests that are admitted meanwhile."""
+        room = self._held.slots(store.occupancy(), store.tier_kinds[0])
+        return self.watch.wait_s(room) <= self.stay(to)
 
     def _fits(
         self,

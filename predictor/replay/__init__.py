@@ -8,6 +8,7 @@ in a modeled engine whose HBM both runs requests and caches KV.
     conversations.py  kv-cache-tester conversations (human and tool turns, subagents)
     workload.py       either as lanes of scripts: open loop, or users in a closed loop
     engine.py         the engine: batch slots, HBM admission, the GPUs' prefill queue
+    links.py          each tier's read link, shared by demand loads and prefetches
     config.py         what a replay depends on besides workload and policy
     simulator.py      one policy's event loop: the real TieredStore, the real policies
     replay_store.py   the store it runs on, sized in stand-in blocks; a call's chunk keys

@@ -56,6 +56,7 @@ def test_the_watch_falls_back_while_the_queue_would_wait_past_its_threshold() ->
         "entered": 1,
         "overloaded_s": pytest.approx(now - fell_back),
         "held_back": 0,
+        "late": 0,
     }
 
 
@@ -97,6 +98,7 @@ def test_while_started_chains_overflow_the_fast_tier_the_policy_evicts_and_waits
             "entered": 1,
             "overloaded_s": pytest.approx(40.0),
             "held_back": 3,  # and the queued session's idle placement
+            "late": 0,
         }
 
 
@@ -111,4 +113,34 @@ def test_a_daemon_that_only_hears_of_admitted_requests_never_falls_back(tmp_path
             state = run.request(f"s{i}", 1000 * i, 5, now=now)
             policy.on_idle(store, state, forecast(f"s{i}", now + 1, 0.5, 0.6, 0.7), now + 1)
             policy.tick(store, now + 5)
-        assert policy.watch.to_dict() == {"entered": 0, "overloaded_s": 0.0, "held_back": 0}
+        assert policy.watch.to_dict() == {
+            "entered": 0,
+            "overloaded_s": 0.0,
+            "held_back": 0,
+            "late": 0,
+        }
+
+
+def test_no_prefetch_is_made_for_a_request_that_would_be_admitted_after_it_left(
+    tmp_path: Path,
+) -> None:
+    """Long before any fallback (``sustain_s`` is a day), a resume whose request waits
+    behind a queue that drains slower than a block stays in DRAM prefetches nothing: the
+    copy would leave unread. Once the queue is gone, a resume prefetches again."""
+    policy = PlacementPolicy(PlacementConfig(overload=OverloadConfig(sustain_s=86_400.0)))
+    run = opened(policy, kv.dram(6), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        for name, start in (("a", 0), ("b", 1000)):
+            state = run.request(name, start, 2, now=0.0)
+            policy.on_idle(store, state, forecast(name, 1.0, 0.5, 0.6, 0.7), 1.0)
+            store.demote(run.ns, run.keys(start, 2), to=SSD)
+        run.busy(2)  # DRAM holds something: its size in blocks is known
+        queued = run.arrive("queued", 3000, 13, now=2.0)  # over twice DRAM, nothing drains
+        run.arrive("a", 0, 2, now=3.0)
+        assert run.where(0, 2) == [SSD, SSD]
+        assert policy.prefetches.issued == 0
+        assert not policy.watch.overloaded and policy.watch.late == 1
+        policy.on_idle(store, queued, forecast("queued", 10.0, 0.1, 0.1, 0.1), 10.0)
+        run.arrive("b", 1000, 2, now=11.0)  # nothing waits beyond DRAM's room now
+        assert run.where(1000, 2) == [DRAM, DRAM]
+        assert policy.prefetches.issued == 2 and policy.watch.late == 1
