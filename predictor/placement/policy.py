@@ -101,7 +101,13 @@ from kvstore.predictor.placement.hooks import (
     session_namespace,
 )
 from kvstore.predictor.placement.overload import AdmissionWatch
-from kvstore.predictor.placement.prefetching import PlannedPrefetch, Prefetcher, cached_head
+from kvstore.predictor.placement.prefetching import (
+    LinkBudget,
+    PlannedPrefetch,
+    Prefetcher,
+    cached_head,
+    copy_seconds,
+)
 from kvstore.predictor.placement.ranking import GapShape, IdleForecast, Rank
 from kvstore.predictor.placement.thresholds import PlacementConfig
 from kvstore.store.eviction import LRUPolicy, Occupancy
@@ -156,6 +162,7 @@ class PlacementPolicy:
         self._held = Holdings()
         self._lru = LRUPolicy()  # the order it evicts by while the engine is overloaded
         self.watch = AdmissionWatch(self.config.overload)
+        self.link_budget = LinkBudget(self.config.speculative_link_share)
         self._prefetcher = Prefetcher(
             self.decisions, lambda kind: self._held.tiers[kind].owner, defer=defer_prefetches
         )
@@ -578,6 +585,11 @@ class PlacementPolicy:
             return
         if not self._read_in_time(store, to):
             self.watch.late += 1
+            return
+        speculative = why is not _RESUMED  # within the links' budget
+        if speculative and not self.link_budget.spend(
+            copy_seconds(store, namespace, slower), self._now
+        ):
             return
         source = min(kind for _, kind in slower)
         planned = self._decide(session, Action.PREFETCH_PLANNED, source, to, len(slower), why)

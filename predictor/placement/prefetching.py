@@ -107,3 +107,56 @@ def cached_head(
             slower.append((key, kind))
     return head, slower
 
+
+class LinkBudget:
+    """Link time for speculative copies, per source tier: ``share`` of each second.
+
+    A chain brought up while nobody waits for it (a promotion ahead of a forecast
+    return) reads its tier over the link every demand load of that tier uses, and
+    a read ahead of time that is never used costs those loads all the same. So such
+    copies may take only ``share`` of a link on average: each spends its modeled
+    copy time (``CostModel``) from a balance that refills at ``share`` seconds a
+    second, up to ``burst_s``; a copy is made while the balance is positive and may
+    take it below zero, so a whole chain moves at once and the next waits until the
+    debt is paid. A prefetch for a request that has begun is not speculative and
+    spends nothing: its lookup is next, and the load would read the same bytes.
+    """
+
+    def __init__(self, share: float, burst_s: float = 10.0) -> None:
+        self.share = share
+        self.burst_s = burst_s
+        self.refused = 0  # copies not made for want of link time
+        self._balance: dict[TierKind, float] = {}
+        self._at: dict[TierKind, float] = {}
+
+    def spend(self, seconds: dict[TierKind, float], now: float) -> bool:
+        """Whether a copy taking ``seconds`` of each source tier's link may go now (and,
+        if so, spend them)."""
+        cap = self.share * self.burst_s
+        balances = {}
+        for source in seconds:
+            last = self._at.get(source, now)
+            refill = max(0.0, now - last) * self.share
+            balances[source] = min(cap, self._balance.get(source, cap) + refill)
+            self._at[source] = max(last, now)
+        self._balance.update(balances)
+        if any(balance <= 0.0 for balance in balances.values()):
+            self.refused += 1
+            return False
+        for source, taken in seconds.items():
+            self._balance[source] -= taken
+        return True
+
+
+def copy_seconds(
+    store: TieredStore, namespace: Namespace, sources: Sequence[tuple[ChunkKey, TierKind]]
+) -> dict[TierKind, float]:
+    """The modeled link time copying ``sources`` (key, tier) takes, per source tier."""
+    costs = store.config.costs
+    layout = namespace.layout
+    per_token = costs.kv_bytes_per_token or layout.chunk_nbytes / layout.chunk_tokens
+    seconds: dict[TierKind, float] = {}
+    for _, kind in sources:
+        chunk = costs.load_seconds(kind, layout.chunk_tokens, per_token)
+        seconds[kind] = seconds.get(kind, 0.0) + chunk
+    return seconds

@@ -42,6 +42,10 @@ class PlacementConfig:
     chains of about the same chance do not trade places at every look."""
     overload: OverloadConfig = field(default_factory=OverloadConfig)
     """When the policy falls back to LRU because the engine cannot keep up."""
+    speculative_link_share: float = 0.1
+    """The share of a tier's read bandwidth that copies made while nobody waits (an idle
+    chain brought up ahead of its return: ``prefetching.LinkBudget``) may take, on
+    average: the rest is the demand loads'."""
 
     def horizon(self, kind: TierKind) -> float:
         return _of(self.horizons_s, kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ from kvstore.predictor.placement.policy import (
     PrefetchStats,
     perfect_forecast,
 )
+from kvstore.predictor.placement.prefetching import LinkBudget
+from kvstore.store.config import CostModel
+from kvstore.store.tiered_store import TieredStore
 
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 
@@ -340,3 +344,37 @@ def test_the_baselines_read_no_forecast(tmp_path: Path) -> None:
         run.policy.on_idle(store, state, None, 1.0)
         run.policy.on_forecast(store, state, forecast("a", 5.0, 0.0, 0.0, 0.0), 5.0)
         assert run.where(0, 3) == [HBM] * 3
+
+
+def test_the_link_budget_lets_speculative_copies_take_only_their_share() -> None:
+    budget = LinkBudget(share=0.1, burst_s=10.0)  # at most 1 s of link banked
+    assert budget.spend({SSD: 3.0}, 0.0)  # a whole chain goes, into debt
+    assert not budget.spend({SSD: 0.1}, 10.0)  # 1 s repaid of 2 owed
+    assert budget.spend({DRAM: 0.5}, 10.0)  # another tier's link is its own
+    assert not budget.spend({DRAM: 0.1, SSD: 0.1}, 15.0)  # SSD still owes: neither spends
+    assert budget.spend({SSD: 0.1}, 40.0) and budget.refused == 2
+
+
+def test_promotions_while_nobody_waits_keep_to_the_links_budget(tmp_path: Path) -> None:
+    """Two chains pushed to LMDB, DRAM with room for both: at a modeled 0.5 s a chunk from
+    SSD and a budget of 1% of the link, the first chain comes up and spends the next 140 s
+    of budget; the second waits for it. A resume's prefetch spends nothing."""
+    costs = CostModel(kv_bytes_per_token=2_500_000_000 // kv.LAYOUT.chunk_tokens)
+    config = dataclasses.replace(
+        kv.config(kv.dram(8), kv.ssd(tmp_path / "lmdb", 256 << 20)), costs=costs
+    )
+    policy = PlacementPolicy(PlacementConfig(speculative_link_share=0.01))
+    run = Sessions(TieredStore(config, policy=policy), policy)
+    with run.store as store:
+        for name, start in (("a", 0), ("b", 100)):
+            state = run.request(name, start, 3, now=0.0)
+            policy.on_idle(store, state, forecast(name, 1.0, 0.05, 0.3, 0.9), 1.0)
+            store.demote(run.ns, run.keys(start, 3), to=SSD)
+        run.busy(1)  # DRAM holds something: its size in blocks is known
+        for now in (20.0, 40.0):
+            policy.tick(store, now)
+        assert sorted([run.where(0, 3), run.where(100, 3)]) == [[DRAM] * 3, [SSD] * 3]
+        assert policy.link_budget.refused >= 1
+        for now in range(60, 700, 20):
+            policy.tick(store, float(now))
+        assert run.where(0, 3) == run.where(100, 3) == [DRAM] * 3
