@@ -8,6 +8,8 @@ import numpy as np
 
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.kinds import TierKind
+from kvstore.predictor.learning.model import DEFAULT_HORIZONS
+from kvstore.predictor.learning.online import ReturnForecast
 from kvstore.predictor.learning.sessions import SessionState, SessionTracker
 from kvstore.predictor.placement.hooks import SessionPolicy
 from kvstore.store.tiered_store import TieredStore
@@ -72,6 +74,18 @@ class Sessions:
         state, _ = self.tracker.started(started, keys, self.ns.digest)
         self.policy.on_resume(self.store, state, now)
         return state
+
+    def pushed_down(
+        self, starts: dict[str, int], n_chunks: int, chances: tuple[float, ...], to: TierKind
+    ) -> None:
+        """Sessions (name -> first token) that ran at 0 s, went idle at 1 s forecast back
+        with ``chances`` at the default horizons, and whose chains pressure then moved
+        to ``to``."""
+        for name, start in starts.items():
+            state = self.request(name, start, n_chunks, now=0.0)
+            forecast = ReturnForecast(name, 1.0, DEFAULT_HORIZONS, chances)
+            self.policy.on_idle(self.store, state, forecast, 1.0)
+            self.store.demote(self.ns, self.keys(start, n_chunks), to=to)
 
     def shared_keys(self, n_chunks: int) -> list[ChunkKey]:
         """The keys of a prefix of ``n_chunks`` every session shares (``request(shared=)``)."""

@@ -130,10 +130,7 @@ def test_no_prefetch_is_made_for_a_request_that_would_be_admitted_after_it_left(
     policy = PlacementPolicy(PlacementConfig(overload=OverloadConfig(sustain_s=86_400.0)))
     run = opened(policy, kv.dram(6), kv.ssd(tmp_path / "lmdb"))
     with run.store as store:
-        for name, start in (("a", 0), ("b", 1000)):
-            state = run.request(name, start, 2, now=0.0)
-            policy.on_idle(store, state, forecast(name, 1.0, 0.5, 0.6, 0.7), 1.0)
-            store.demote(run.ns, run.keys(start, 2), to=SSD)
+        run.pushed_down({"a": 0, "b": 1000}, 2, (0.5, 0.6, 0.7), to=SSD)
         run.busy(2)  # DRAM holds something: its size in blocks is known
         queued = run.arrive("queued", 3000, 13, now=2.0)  # over twice DRAM, nothing drains
         run.arrive("a", 0, 2, now=3.0)

@@ -366,10 +366,7 @@ def test_promotions_while_nobody_waits_keep_to_the_links_budget(tmp_path: Path) 
     policy = PlacementPolicy(PlacementConfig(speculative_link_share=0.01))
     run = Sessions(TieredStore(config, policy=policy), policy)
     with run.store as store:
-        for name, start in (("a", 0), ("b", 100)):
-            state = run.request(name, start, 3, now=0.0)
-            policy.on_idle(store, state, forecast(name, 1.0, 0.05, 0.3, 0.9), 1.0)
-            store.demote(run.ns, run.keys(start, 3), to=SSD)
+        run.pushed_down({"a": 0, "b": 100}, 3, (0.05, 0.3, 0.9), to=SSD)
         run.busy(1)  # DRAM holds something: its size in blocks is known
         for now in (20.0, 40.0):
             policy.tick(store, now)
