@@ -81,7 +81,8 @@ def test_the_overload_benchmark_compares_every_policy_with_lru_in_the_same_run(
     assert routes == figures["predictor"]["prefetches_issued"] * chunk
     assert all(row["link_wait_seconds"] >= 0 for row in figures.values())
     assert figures["lru"]["overload"] is None  # a baseline has no fallback to count
-    assert set(figures["predictor"]["overload"]) == {"entered", "overloaded_s", "held_back"}
+    counted = {"entered", "overloaded_s", "held_back", "late"}
+    assert set(figures["predictor"]["overload"]) == counted
 
 
 def test_the_plot_is_drawn_from_saved_reports(tmp_path: Path) -> None:
