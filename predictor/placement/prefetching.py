@@ -16,6 +16,7 @@ removal itself, on its hot path; this module only fills them.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -155,8 +156,8 @@ def copy_seconds(
     costs = store.config.costs
     layout = namespace.layout
     per_token = costs.kv_bytes_per_token or layout.chunk_nbytes / layout.chunk_tokens
-    seconds: dict[TierKind, float] = {}
-    for _, kind in sources:
-        chunk = costs.load_seconds(kind, layout.chunk_tokens, per_token)
-        seconds[kind] = seconds.get(kind, 0.0) + chunk
-    return seconds
+    chunks = Counter(kind for _, kind in sources)
+    return {
+        kind: count * costs.load_seconds(kind, layout.chunk_tokens, per_token)
+        for kind, count in chunks.items()
+    }
