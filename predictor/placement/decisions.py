@@ -78,6 +78,9 @@ class Reason(enum.Enum):
     KEPT_ROOM = "target below; kept in {tier} while it has room"
     KEPT_OUTRANKS = "target below; kept in {tier}: outranks next victim ({p:.2f} > {rival:.2f})"
     COPY_AHEAD = "copied ahead of eviction: {tier} has room"
+    COPY_AHEAD_OUTRANKS = (
+        "copied ahead of eviction: outranks {tier}'s next victim ({p:.2f} > {rival:.2f})"
+    )
     PRESSURE = "pressure: {tier} full; P(back within {horizon:.0f} s)={p:.2f}"
     PRESSURE_RUNNING = "pressure: {tier} full; session running"
 

@@ -20,6 +20,7 @@ PLACE, DEMOTE, WRITE_DOWN = Action.PLACE, Action.DEMOTE, Action.WRITE_DOWN
 PLANNED, PREFETCH, EVICT = Action.PREFETCH_PLANNED, Action.PREFETCH, Action.EVICT
 AN_HOUR = "P(back within 3600 s)=0.40 < keep 0.5"
 RUNNING = "hbm full of running requests"
+OUTRANKS = "outranks dram's next victim (0.95 > 0.00)"
 
 Row = tuple[float, Action, TierKind | None, TierKind | None, int, str]
 
@@ -136,6 +137,33 @@ def test_a_chain_waiting_for_a_tool_stays_hot_and_says_so(three_tiers: Sessions)
     assert logged(run.policy, "a") == [
         (1.0, PLACE, HBM, HBM, 3, "tool running"),
         (1.0, WRITE_DOWN, HBM, DRAM, 3, "copied ahead of eviction: dram has room"),
+    ]
+
+
+def test_a_chain_kept_hot_is_copied_into_a_full_tier_only_past_its_next_victim(
+    tmp_path: Path,
+) -> None:
+    """DRAM (4 chunks) is full of a chain nobody expects back. A session likely back
+    within a minute stays in HBM and is copied into DRAM now, pushing that chain out
+    while nobody waits rather than on the clock of the request that next needs HBM's
+    room; a session waiting for its tool stays in HBM uncopied: its result reads the
+    chain there within seconds."""
+    policy = PlacementPolicy()
+    run = opened(policy, kv.hbm(16), kv.dram(4), kv.ssd(tmp_path / "lmdb"))
+    with run.store as store:
+        run.pushed_down({"gone": 0}, 4, (0.0, 0.0, 0.0), DRAM)
+        assert run.where(0, 4) == [DRAM] * 4
+        tool = run.request("tool", 1000, 3, now=2.0, tool_running=True)
+        policy.on_idle(store, tool, forecast("tool", 3.0, 0.9, 0.95, 0.99), 3.0)
+        assert run.where(1000, 3) == [HBM] * 3 and run.where(0, 4) == [DRAM] * 4
+        soon = run.request("soon", 2000, 3, now=4.0)
+        policy.on_idle(store, soon, forecast("soon", 5.0, 0.9, 0.95, 0.99), 5.0)
+        assert run.where(2000, 3) == [HBM] * 3 and policy.owned("soon")[DRAM] == 3
+        assert run.where(0, 4) == [DRAM] + [SSD] * 3
+    assert logged(policy, "tool") == [(3.0, PLACE, HBM, HBM, 3, "tool running")]
+    assert logged(policy, "soon") == [
+        (5.0, PLACE, HBM, HBM, 3, "P(back within 10 s)=0.52 >= keep 0.5"),
+        (5.0, WRITE_DOWN, HBM, DRAM, 3, f"copied ahead of eviction: {OUTRANKS}"),
     ]
 
 
