@@ -41,6 +41,13 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="find the socket from this config file")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     parser.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    if name == "ready":
+        parser.add_argument(
+            "--live",
+            action="store_true",
+            help="only that the daemon answers (/healthz), whatever its tiers: a "
+            "container's health check, where a tier that is down is not a reason to restart",
+        )
     if name == "sessions":
         parser.add_argument("session", nargs="?", help="one session's id")
         parser.add_argument("--limit", type=int, default=100, help="sessions listed (default 100)")
@@ -84,6 +91,8 @@ def _stats(client: DaemonClient, args: argparse.Namespace) -> Answer:
 
 
 def _ready(client: DaemonClient, args: argparse.Namespace) -> Answer:
+    if args.live:
+        return {"ready": True, **client.get("/healthz")}, "live"
     answer = client.request("GET", "/readyz", ok=(200, 503))
     if answer.get("ready"):
         return answer, "ready"

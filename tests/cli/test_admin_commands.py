@@ -120,6 +120,10 @@ def test_ready_says_which_tier_does_not_answer(
     done = kvstore("ready", "--url", daemon.url)
     assert done.returncode == 1
     assert done.stdout.strip() == "not ready (tiers not answering: redis)"
+    # A container's health check asks only that the daemon answers: a tier that is
+    # down is for readiness, and restarting the daemon would not bring Redis back.
+    done = kvstore("ready", "--live", "--url", daemon.url)
+    assert (done.returncode, done.stdout.strip()) == (0, "live")
 
 
 def test_sessions_lists_the_predictors_sessions_and_shows_one(
