@@ -191,6 +191,28 @@ def test_dev_shm_holds_the_dram_arena_and_memory_counts_it(pattern: str, tmp_pat
 
 
 @needs_kubectl
+def test_an_engine_of_the_daemonset_mounts_what_the_daemon_serves_from(tmp_path: Path) -> None:
+    objects = render("daemonset")
+    pod = pod_of(objects)
+    config = loaded(objects, pod, tmp_path)
+    daemon = daemon_container(pod)
+    example = ROOT / "deploy" / "k8s" / "daemonset" / "engine-example.yaml"
+    engine_workload = yaml.safe_load(example.read_text())
+    kubernetes_validate.validate(engine_workload, KUBERNETES, strict=True)
+    engine_pod = engine_workload["spec"]["template"]
+    (engine,) = engine_pod["spec"]["containers"]
+    for path in ("/dev/shm", str(config.daemon.socket_path)):
+        served = volume_for(pod, daemon, path)["hostPath"]["path"]
+        assert volume_for(engine_pod, engine, path)["hostPath"]["path"] == served
+    assert f"unix://{config.daemon.socket_path}" in " ".join(engine["args"])
+    context = engine_pod["spec"]["securityContext"]
+    assert context["runAsUser"] == pod["spec"]["securityContext"]["runAsUser"]
+    assert engine_workload["metadata"]["namespace"] == named(objects, "Namespace")["metadata"][
+        "name"
+    ]
+
+
+@needs_kubectl
 def test_the_sidecar_pattern_asks_for_no_host_access_or_privilege() -> None:
     """What the "restricted" Pod Security Standard checks, for the same-pod sidecar."""
     pod = pod_of(render("sidecar"))
