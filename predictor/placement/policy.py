@@ -462,12 +462,11 @@ class PlacementPolicy:
     ) -> Why | None:
         """Why the chain, kept where it is, is also copied into ``below`` now; None: it is
         not. Into a tier with room, always. Into a full one, only a chain that outranks
-        the next victim there, whose eviction would put it there anyway, pushing that
-        victim out then, on the clock of the request that needs the room (on Mooncake's
-        trace on 4 GPUs those writes were 439 s of the predictor's 6,842 GPU-seconds);
-        and not while its tool runs: the result is back in seconds and reads the chain
-        where it is, so each copy would push someone's block out for nothing (on
-        kv-cache-tester's agents that cost the predictor 12% more GPU-seconds)."""
+        the next victim there: its eviction would put it there anyway, pushing that
+        victim out then, on the clock of the request that needs the room. Not while its
+        tool runs: the result is back in seconds and reads the chain where it is, so
+        the copy would push someone's block out for nothing. What each half is worth,
+        measured: docs/predictor_results.md (Mooncake's trace on 4 GPUs)."""
         if self._has_room(occupancy, below):
             return Why(Reason.COPY_AHEAD, below)
         assert session.state is not None
