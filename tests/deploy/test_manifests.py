@@ -10,6 +10,7 @@ mounts, probes and sizes are then checked against that config.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,9 @@ needs_kubectl = pytest.mark.skipif(
 Object = dict[str, Any]
 
 
+@functools.cache
 def render(pattern: str) -> list[Object]:
+    """The pattern's objects, rendered once per session (the tests only read them)."""
     assert KUBECTL is not None
     done = subprocess.run(
         [KUBECTL, "kustomize", str(ROOT / "deploy" / "k8s" / pattern)],
@@ -94,6 +97,11 @@ def loaded(objects: list[Object], pod: Object, tmp_path: Path) -> ServiceConfig:
     path = Path(env["KVSTORE_CONFIG"])
     assert path.parent == Path(mounts[config_volume["name"]])
     return ServiceConfig.load(directory / path.name, env)
+
+
+def quantity(text: str) -> int:
+    """Bytes of a Kubernetes quantity in binary units ("10Gi")."""
+    return parse_size(text.replace("i", "iB") if text.endswith("i") else text)
 
 
 def volume_for(pod: Object, container: Object, path: str) -> Object:
@@ -178,13 +186,11 @@ def test_dev_shm_holds_the_dram_arena_and_memory_counts_it(pattern: str, tmp_pat
     daemon = daemon_container(pod)
     (dram,) = [t for t in config.store.tiers if t.kind is TierKind.DRAM]
     shm = volume_for(pod, daemon, "/dev/shm")
-    limit = parse_size(daemon["resources"]["limits"]["memory"].replace("Gi", "GiB"))
+    limit = quantity(daemon["resources"]["limits"]["memory"])
     assert limit >= dram.capacity_bytes * 1.1
     if "emptyDir" in shm:  # the pod's own: sized above the arena
         assert shm["emptyDir"]["medium"] == "Memory"
-        assert parse_size(shm["emptyDir"]["sizeLimit"].replace("Gi", "GiB")) >= (
-            dram.capacity_bytes * 1.001
-        )
+        assert quantity(shm["emptyDir"]["sizeLimit"]) >= dram.capacity_bytes * 1.001
     else:  # the node's: shared by every pod that mounts it
         assert shm["hostPath"]["path"] == "/dev/shm"
     assert daemon["resources"]["requests"]["memory"] == daemon["resources"]["limits"]["memory"]
